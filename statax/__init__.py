@@ -1,0 +1,41 @@
+"""statax: pull intermediate values out of JAX functions.
+
+Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
+`pull(fn)(*args)` returns `(out, intermediates)`, through `jit`, `grad`, `vmap` and the rest.
+"""
+
+import importlib.metadata
+
+from . import handlers as handlers  # registers the built-in handlers
+from ._errors import HandlerError as HandlerError
+from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
+from ._interpreter import Handler as Handler
+from ._interpreter import find_saves as find_saves
+from ._interpreter import pull_jaxpr as pull_jaxpr
+from ._interpreter import register_handler as register_handler
+from ._interpreter import with_extra_outputs as with_extra_outputs
+from ._meta import ARRAY as ARRAY
+from ._meta import StateMeta as StateMeta
+from ._primitive import save_inter as save_inter
+from ._primitive import save_inter_p as save_inter_p
+from ._pull import pull as pull
+
+try:
+    __version__ = importlib.metadata.version("statax")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ARRAY",
+    "Handler",
+    "HandlerError",
+    "StateMeta",
+    "UnhandledPrimitiveError",
+    "find_saves",
+    "pull",
+    "pull_jaxpr",
+    "register_handler",
+    "save_inter",
+    "save_inter_p",
+    "with_extra_outputs",
+]

@@ -1,0 +1,219 @@
+"""`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
+
+`pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
+output. It walks the equations once:
+
+* a `save_inter` equation is removed: its outputs are its operands, and its operands are
+  appended to the jaxpr's outputs, described by the `StateMeta` in its params;
+* an equation whose inner jaxprs hold no mark is kept as it is;
+* any other equation goes to the handler registered for its primitive, which returns an
+  equation that computes the original outputs **followed by** the flat leaves of the
+  intermediates it exposes, and their `StateMeta`s in the same order. A primitive with no
+  handler is an error that names it and says how to register one.
+
+The handler contract leaves room for transforms that thread values *into* an equation (extra
+inputs, appended after the original ones); `pull` itself only adds outputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeAlias
+
+from jax.extend import core as jex
+
+from . import _compat
+from ._errors import HandlerError, UnhandledPrimitiveError
+from ._meta import StateMeta
+from ._primitive import save_inter_p
+
+__all__ = [
+    "Handler",
+    "find_saves",
+    "pull_jaxpr",
+    "pull_open_jaxpr",
+    "register_handler",
+    "with_extra_outputs",
+]
+
+Handler: TypeAlias = Callable[[jex.JaxprEqn], tuple[jex.JaxprEqn, tuple[StateMeta, ...]]]
+
+_HANDLERS: dict[jex.Primitive, Handler] = {}
+
+
+def register_handler(primitive: jex.Primitive, handler: Handler | None = None):
+    """Teach `pull` to see inside a higher-order primitive.
+
+    A handler takes an equation of `primitive` and returns `(new_eqn, metas)`: `new_eqn`
+    computes the original outputs followed by the flat array leaves of every intermediate it
+    exposes, and `metas` describes those intermediates in the same order. Most handlers call
+    `pull_jaxpr` on the inner jaxpr and `with_extra_outputs` to rebuild the equation.
+
+    Usable directly, `register_handler(my_p, my_handler)`, or as a decorator,
+    `@register_handler(my_p)`. Registering again replaces the previous handler.
+
+    Args:
+        primitive: the primitive, e.g. `jax.extend.core.primitives.cond_p`.
+        handler: the handler; if omitted, `register_handler` returns a decorator.
+
+    Returns:
+        The handler (or the decorator).
+    """
+    if not isinstance(primitive, jex.Primitive):
+        raise TypeError(
+            f"register_handler needs a jax.extend.core.Primitive, got {primitive!r}. Pass the "
+            "primitive object itself, e.g. jax.extend.core.primitives.cond_p."
+        )
+
+    def register(h: Handler) -> Handler:
+        if not callable(h):
+            raise TypeError(f"a handler must be callable, got {h!r}")
+        _HANDLERS[primitive] = h
+        _PULLED.clear()
+        _PULLED_OPEN.clear()
+        return h
+
+    return register if handler is None else register(handler)
+
+
+# ---- finding marks -------------------------------------------------------------------------
+
+_SAVES: weakref.WeakKeyDictionary[jex.Jaxpr, tuple[StateMeta, ...]] = weakref.WeakKeyDictionary()
+
+
+def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
+    """The `StateMeta` of every collecting `save_inter` in `jaxpr`, at any depth, in order."""
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    found = _SAVES.get(jaxpr)
+    if found is None:
+        found = tuple(_iter_saves(jaxpr))
+        _SAVES[jaxpr] = found
+    return found
+
+
+def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is save_inter_p:
+            if eqn.params["collect"]:
+                yield eqn.params["meta"]
+        else:
+            for sub in jex.jaxprs_in_params(eqn.params):
+                yield from find_saves(sub)
+
+
+def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+    return tuple(m for sub in jex.jaxprs_in_params(eqn.params) for m in find_saves(sub))
+
+
+_compat.keep_marked_calls_alive(lambda eqn: bool(_eqn_saves(eqn)))
+
+
+# ---- the walk ------------------------------------------------------------------------------
+
+_PULLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PULLED_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, tuple[StateMeta, ...]]:
+    """Expose every `save_inter` of a ClosedJaxpr as an extra output.
+
+    Args:
+        closed_jaxpr: the jaxpr to rewrite.
+
+    Returns:
+        `(new_closed_jaxpr, metas)`. `new_closed_jaxpr` takes the same inputs and returns the
+        old outputs followed by the flat array leaves of each intermediate, in program order;
+        `metas[i]` describes the i-th intermediate. A jaxpr without marks comes back as it is.
+        Results are cached per jaxpr object.
+
+    Raises:
+        UnhandledPrimitiveError: a higher-order primitive without a handler holds a mark.
+    """
+    cached = _PULLED.get(closed_jaxpr)
+    if cached is None:
+        jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
+        new = closed_jaxpr if jaxpr is closed_jaxpr.jaxpr else jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
+        cached = _PULLED[closed_jaxpr] = (new, metas)
+    return cached
+
+
+def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
+    """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params)."""
+    cached = _PULLED_OPEN.get(jaxpr)
+    if cached is None:
+        cached = _PULLED_OPEN[jaxpr] = _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ())
+    return cached
+
+
+def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
+    forwarded: dict[jex.Var, jex.Atom] = {}  # outputs of removed `save_inter`s -> operands
+
+    def read(x: jex.Atom) -> jex.Atom:
+        return forwarded.get(x, x) if isinstance(x, jex.Var) else x
+
+    eqns: list[jex.JaxprEqn] = []
+    extra: list[jex.Atom] = []
+    metas: list[StateMeta] = []
+    for eqn in jaxpr.eqns:
+        if forwarded:
+            eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
+        if eqn.primitive is save_inter_p:
+            for out, x in zip(eqn.outvars, eqn.invars, strict=True):
+                forwarded[out] = x
+            if eqn.params["collect"]:
+                extra.extend(eqn.invars)
+                metas.append(eqn.params["meta"])
+            continue
+        inner = _eqn_saves(eqn)
+        if not inner:
+            eqns.append(eqn)
+            continue
+        handler = _HANDLERS.get(eqn.primitive)
+        if handler is None:
+            raise UnhandledPrimitiveError(eqn.primitive, inner)
+        with _compat.user_context(eqn):
+            new_eqn, new_metas = handler(eqn)
+        _check_handler_result(eqn, new_eqn, new_metas)
+        eqns.append(new_eqn)
+        extra.extend(new_eqn.outvars[len(eqn.outvars):])
+        metas.extend(new_metas)
+    names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
+    new = jaxpr.replace(
+        eqns=eqns,
+        outvars=[read(x) for x in jaxpr.outvars] + extra,
+        debug_info=_compat.extend_debug_info(jaxpr.debug_info, names),
+    )
+    return new, tuple(metas)
+
+
+def _check_handler_result(eqn, new_eqn, metas) -> None:
+    prim = eqn.primitive
+    if not isinstance(new_eqn, jex.JaxprEqn) or not isinstance(metas, tuple):
+        raise HandlerError(prim, "must return a (JaxprEqn, tuple[StateMeta, ...]) pair")
+    expected = len(eqn.outvars) + sum(m.num_arrays for m in metas)
+    if len(new_eqn.outvars) != expected:
+        raise HandlerError(
+            prim,
+            f"returned an equation with {len(new_eqn.outvars)} outputs; expected the "
+            f"{len(eqn.outvars)} original ones followed by {expected - len(eqn.outvars)} "
+            "array leaves, as many as its StateMetas count",
+        )
+
+
+# ---- plumbing for handlers -----------------------------------------------------------------
+
+
+def with_extra_outputs(eqn: jex.JaxprEqn, avals: Sequence, **params) -> jex.JaxprEqn:
+    """`eqn` with fresh output variables of `avals` appended and `params` updated.
+
+    Example, the whole of a handler for a call-like primitive:
+
+        def handler(eqn):
+            jaxpr, metas = pull_jaxpr(eqn.params["jaxpr"])
+            new_avals = jaxpr.out_avals[len(eqn.outvars):]
+            return with_extra_outputs(eqn, new_avals, jaxpr=jaxpr), metas
+    """
+    outvars = [*eqn.outvars, *(jex.Var(aval) for aval in avals)]
+    return eqn.replace(outvars=outvars, params=dict(eqn.params, **params))

@@ -1,0 +1,86 @@
+"""`StateMeta`: what statax knows about one intermediate besides its arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["ARRAY", "StateMeta"]
+
+
+class _ArraySlot:
+    """Marks, in `StateMeta.static_leaves`, the place of an array leaf."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ARRAY"
+
+    def __reduce__(self):
+        return (_ArraySlot, ())
+
+
+ARRAY = _ArraySlot()
+
+
+class Static:
+    """Holds an unhashable static leaf so that primitive params stay hashable (by identity)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r})"
+
+
+def _unwrap(leaf: Any) -> Any:
+    return leaf.value if isinstance(leaf, Static) else leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMeta:
+    """Describes one intermediate: a pytree marked by one `save_inter` call.
+
+    A handler exposes an intermediate as the flat array leaves it appends to an equation's
+    outputs (`num_arrays` of them, in leaf order); the `StateMeta` says how to turn those
+    leaves back into the value the user saved.
+
+    Attributes:
+        name: the name given to `save_inter`.
+        treedef: the pytree structure of the saved value.
+        static_leaves: one entry per leaf of `treedef`: `ARRAY` where an array leaf goes,
+            else the non-array leaf itself (a string, `None`, a callable, ...), which is
+            returned unchanged.
+        location: `"file.py:line"` of the `save_inter` call, or `"<unknown>"`.
+    """
+
+    name: str
+    treedef: jax.tree_util.PyTreeDef
+    static_leaves: tuple[Any, ...]
+    location: str = "<unknown>"
+
+    @property
+    def num_arrays(self) -> int:
+        """How many flat array leaves carry this intermediate."""
+        return sum(leaf is ARRAY for leaf in self.static_leaves)
+
+    def unflatten(self, arrays: Sequence[Any]) -> Any:
+        """Rebuild the saved pytree from its array leaves."""
+        arrays = iter(arrays)
+        leaves = [next(arrays) if s is ARRAY else _unwrap(s) for s in self.static_leaves]
+        if next(arrays, None) is not None:
+            raise ValueError(f"too many array leaves for {self.name!r}")
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def __repr__(self) -> str:
+        return f"StateMeta(name={self.name!r}, arrays={self.num_arrays}, at {self.location})"

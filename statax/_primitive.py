@@ -1,0 +1,154 @@
+"""`save_inter_p`, the identity primitive that marks a value, and all of its rules.
+
+Without `pull`, `save_inter_p` is the identity and costs nothing once compiled: it lowers to no
+op, its JVP saves the primal and passes tangents through, it transposes to the identity, and
+under `vmap` it hands its operands on untouched (the batch axis is moved to 0 only on the copy
+that is saved). Two rules keep a mark alive where JAX would otherwise lose or repeat it:
+
+* dead-code elimination keeps it even when its outputs are unused, so that
+  `pull(grad(jit(f)))` still collects a value nobody reads;
+* `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
+  rematerialisation replays in the backward pass into an inert one (`collect=False`), so that
+  each value is collected once, not once per recomputation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex
+
+from . import _compat
+from ._meta import ARRAY, StateMeta, Static
+
+__all__ = ["save_inter", "save_inter_p"]
+
+T = TypeVar("T")
+
+save_inter_p = jex.Primitive("save_inter")
+save_inter_p.multiple_results = True
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_location() -> str:
+    """`"file:line"` of the first frame outside statax."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _hashable(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return Static(leaf)
+    return leaf
+
+
+def save_inter(value: T, name: str | None = None) -> T:
+    """Mark `value` so that `statax.pull` returns it; the identity otherwise.
+
+    Args:
+        value: any pytree. Its array leaves (JAX and NumPy arrays, tracers) are saved; its
+            other leaves (strings, `None`, callables, Python numbers, static fields of an
+            `eqx.Module`) are returned unchanged, by `save_inter` and by `pull`.
+        name: the name of the intermediate, `"state"` if not given. `pull` keys each
+            occurrence `f"{name}_{n}"`, `n` counting from 0 in program order.
+
+    Returns:
+        `value`, unchanged.
+
+    Raises:
+        TypeError: if `name` is not a string.
+
+    Example:
+        >>> import jax.numpy as jnp, statax as stx
+        >>> def f(x):
+        ...     y = stx.save_inter(2 * x, name="y")
+        ...     return y + 1
+        >>> stx.pull(f)(jnp.float32(1.0))
+        (Array(3., dtype=float32), {'y_0': Array(2., dtype=float32)})
+    """
+    if name is None:
+        name = "state"
+    if not isinstance(name, str):
+        raise TypeError(
+            f"save_inter(value, name=...) needs a string name, got {name!r} of type "
+            f"{type(name).__name__} at {_caller_location()}. Pass e.g. name=\"activation\"."
+        )
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    is_array = [eqx.is_array(leaf) for leaf in leaves]
+    static = tuple(
+        ARRAY if a else _hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True)
+    )
+    meta = StateMeta(name, treedef, static, _caller_location())
+    arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
+    outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=True))
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(outs) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
+    )
+
+
+# ---- rules ---------------------------------------------------------------------------------
+
+
+@save_inter_p.def_impl
+def _impl(*xs, meta, collect):
+    return xs
+
+
+@save_inter_p.def_abstract_eval
+def _abstract_eval(*avals, meta, collect):
+    return avals
+
+
+_compat.register_lowering_identity(save_inter_p)
+
+
+def _jvp(primals, tangents, *, meta, collect):
+    # Save the primal only; the tangents pass through untouched.
+    return save_inter_p.bind(*primals, meta=meta, collect=collect), list(tangents)
+
+
+_compat.register_jvp_rule(save_inter_p, _jvp)
+
+
+def _transpose(cts, *args, meta, collect):
+    # Only reached when a tangent itself is marked (e.g. in a custom JVP rule): it is linear
+    # and the identity, so cotangents pass through. Nothing is saved for them.
+    return list(cts)
+
+
+_compat.register_transpose_rule(save_inter_p, _transpose)
+
+
+def _batch(axis_size, vals, dims, *, meta, collect):
+    # The values handed on keep their batch axes, so marking changes nothing downstream. The
+    # copy that is saved has the batch axis at 0; where only some leaves are batched, the others
+    # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
+    # unbatched (as `jacfwd`'s primal is).
+    if all(d is None for d in dims):
+        save_inter_p.bind(*vals, meta=meta, collect=collect)
+        return vals, dims
+    moved = [
+        jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
+        for v, d in zip(vals, dims, strict=True)
+    ]
+    save_inter_p.bind(*moved, meta=meta, collect=collect)
+    return vals, dims
+
+
+_compat.register_batching_rule(save_inter_p, _batch)
+_compat.register_dce_rule(save_inter_p, keep=lambda eqn: eqn.params["collect"])
+_compat.register_remat_partial_eval_rule(
+    save_inter_p, recompute_params=lambda params: dict(params, collect=False)
+)

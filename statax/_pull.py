@@ -1,0 +1,191 @@
+"""`pull`: trace, rewrite with `pull_jaxpr`, cache, evaluate, and name the intermediates."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+from jax.extend import core as jex
+
+from ._interpreter import pull_jaxpr
+from ._meta import StateMeta, Static
+
+__all__ = ["pull"]
+
+_PY_NUMBERS = (bool, int, float, complex)
+_MAX_ENTRIES_PER_FUNCTION = 64
+
+
+class _Entry(NamedTuple):
+    jaxpr: jex.ClosedJaxpr  # the rewritten jaxpr
+    metas: tuple[StateMeta, ...]
+    out_treedef: Any
+    out_static: tuple[Any, ...]  # per output leaf: None where an array goes, else (leaf,)
+    num_out: int
+
+
+# root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _split_callable(fn: Callable) -> tuple[Any, Any, Callable]:
+    """`(weak_root, tree, call)` such that `fn(*args, **kwargs)` is `call(tree, *args, **kwargs)`.
+
+    The cache holds `weak_root` weakly; `tree` is flattened with the arguments, so the arrays of
+    an `eqx.Module` (or of a bound method's object) are traced, not baked in.
+    """
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(fn)):
+        return type(fn), fn, _call_tree
+    if inspect.ismethod(fn):
+        return fn.__func__, fn.__self__, fn.__func__
+    return fn, None, functools.partial(_call_plain, fn)
+
+
+def _call_plain(fn, _tree, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def _call_tree(tree, *args, **kwargs):
+    return tree(*args, **kwargs)
+
+
+def _hashable(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return Static(leaf)
+    return leaf
+
+
+class _Pulled(eqx.Module):
+    fn: Callable
+
+    def __call__(self, *args, **kwargs):
+        root, tree, call = _split_callable(self.fn)
+        leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
+        traced = _traced_mask(leaves, treedef)
+        dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
+        key = (
+            treedef,
+            tuple(None if t else _hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
+            tuple(map(jax.typeof, dynamic)),
+        )
+        entry = _lookup(root, key)
+        if entry is None:
+            entry = _trace(call, leaves, treedef, traced)
+            if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
+                _store(root, key, entry)
+        flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
+        return _unflatten_out(entry, flat[: entry.num_out]), _name(entry.metas, flat[entry.num_out:])
+
+
+def _traced_mask(leaves: list, treedef) -> list[bool]:
+    """Array leaves are traced; so is a Python number passed directly as an argument."""
+    traced = [eqx.is_array(leaf) for leaf in leaves]
+    _, args_def, kwargs_def = treedef.children()
+    start = treedef.children()[0].num_leaves
+    for child in (*args_def.children(), *kwargs_def.children()):
+        if child.num_leaves == 1 and isinstance(leaves[start], _PY_NUMBERS) and (
+            jax.tree_util.treedef_is_leaf(child)
+        ):
+            traced[start] = True
+        start += child.num_leaves
+    return traced
+
+
+def _lookup(root, key) -> _Entry | None:
+    try:
+        entries = _CACHE.get(root)
+    except TypeError:  # not weakly referenceable: not cached
+        return None
+    if entries is None:
+        return None
+    entry = entries.get(key)
+    if entry is not None:
+        entries.move_to_end(key)
+    return entry
+
+
+def _store(root, key, entry: _Entry) -> None:
+    try:
+        entries = _CACHE.setdefault(root, OrderedDict())
+    except TypeError:
+        return
+    entries[key] = entry
+    if len(entries) > _MAX_ENTRIES_PER_FUNCTION:
+        entries.popitem(last=False)
+
+
+def _trace(call, leaves, treedef, traced) -> _Entry:
+    out_info = []
+
+    def flat_fn(*dynamic):
+        it = iter(dynamic)
+        full = [next(it) if t else leaf for leaf, t in zip(leaves, traced, strict=True)]
+        tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        out = call(tree, *args, **kwargs)
+        out_leaves, out_def = jax.tree_util.tree_flatten(out)
+        is_arr = [eqx.is_array(x) for x in out_leaves]
+        out_info.append((out_def, tuple(None if a else (x,) for x, a in zip(out_leaves, is_arr, strict=True))))
+        return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
+
+    dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
+    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+    out_def, out_static = out_info[0]
+    new, metas = pull_jaxpr(closed)
+    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars))
+
+
+def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
+    it = iter(arrays)
+    leaves = [next(it) if s is None else s[0] for s in entry.out_static]
+    return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
+
+
+def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
+    """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order."""
+    counts: dict[str, int] = {}
+    inters: dict[str, Any] = {}
+    start = 0
+    for meta in metas:
+        n = counts.get(meta.name, 0)
+        counts[meta.name] = n + 1
+        stop = start + meta.num_arrays
+        inters[f"{meta.name}_{n}"] = meta.unflatten(flat[start:stop])
+        start = stop
+    return inters
+
+
+def pull(fn: Callable) -> Callable:
+    """Transform `fn` to also return every value marked with `save_inter` inside it.
+
+    Args:
+        fn: any callable: a function, a jitted/vmapped/differentiated function, an
+            `eqx.Module`. Its arguments follow equinox's filter convention: array leaves are
+            traced, other leaves are static (as in `eqx.filter_jit`); a Python number passed
+            directly as an argument is traced too, as `jax.jit` does.
+
+    Returns:
+        A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
+        dict `{f"{name}_{n}": value}`, `n` counting each name's `save_inter` calls from 0 in
+        program order. It composes with `jit`, `grad` (use `has_aux=True` outside), `vmap`,
+        `jacfwd`, `jacrev`, `hessian` and equinox's filtered transforms, in either order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, statax as stx
+        >>> def f(x):
+        ...     stx.save_inter(x ** 2, name="sq")
+        ...     return jnp.sum(x)
+        >>> out, inters = stx.pull(jax.jit(f))(jnp.arange(3.0))
+        >>> inters
+        {'sq_0': Array([0., 1., 4.], dtype=float32)}
+    """
+    if not callable(fn):
+        raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
+    return _Pulled(fn)

@@ -1,0 +1,7 @@
+"""Handlers that let `pull` see inside JAX's higher-order primitives (internal).
+
+One module per primitive family; importing this package registers them all. Each module opens
+with what it reads from the equation's params, how intermediates leave, and its limits.
+"""
+
+from . import jit as jit
