@@ -1,0 +1,82 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import statax as stx
+from statax.testing import assert_tree_allclose
+
+
+def test_save_inter_is_identity_on_any_pytree():
+    tree = {"a": jnp.arange(3.0), "b": ("text", None, np.ones(2)), "c": jax.nn.relu}
+    out = stx.save_inter(tree, name="t")
+    assert out["b"][0] == "text" and out["b"][1] is None and out["c"] is jax.nn.relu
+    assert_tree_allclose(out["a"], tree["a"])
+    assert_tree_allclose(out["b"][2], tree["b"][2])
+
+
+def test_default_name_is_state():
+    def f(x):
+        stx.save_inter(x)
+        return x
+
+    assert list(stx.pull(f)(jnp.ones(2))[1]) == ["state_0"]
+
+
+@pytest.mark.parametrize("name", [3, None.__class__, ("a",), b"bytes"])
+def test_non_string_name_is_a_type_error_at_call_time(name):
+    with pytest.raises(TypeError, match=r"needs a string name.*test_primitive.py:\d+"):
+        stx.save_inter(jnp.ones(2), name=name)
+
+
+def test_jaxpr_records_name_and_location():
+    def f(x):
+        return stx.save_inter(x * 2, name="doubled")
+
+    jaxpr = jax.make_jaxpr(f)(1.0)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    meta = eqn.params["meta"]
+    assert meta.name == "doubled"
+    assert meta.location.endswith("test_primitive.py:" + str(f.__code__.co_firstlineno + 1))
+
+
+def test_jvp_saves_the_primal_and_passes_tangents_through():
+    def f(x):
+        return stx.save_inter(jnp.sin(x), name="s") * 2
+
+    primal, tangent = jax.jvp(f, (1.0,), (1.0,))
+    assert_tree_allclose(primal, 2 * jnp.sin(1.0))
+    assert_tree_allclose(tangent, 2 * jnp.cos(1.0))
+    jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(f, (x,), (t,)))(1.0, 1.0)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    assert eqn.invars[0].aval.shape == ()  # bound once, on the primal
+
+
+def test_transpose_passes_cotangents_through():
+    f = lambda x: stx.save_inter(3.0 * x, name="lin")  # noqa: E731
+    (ct,) = jax.linear_transpose(f, 1.0)(2.0)
+    assert_tree_allclose(ct, 6.0)
+
+
+def test_batching_hands_values_on_with_their_batch_axes():
+    def f(x):
+        y = stx.save_inter(x, name="y")
+        return y + 1
+
+    xs = jnp.arange(6.0).reshape(2, 3)
+    assert_tree_allclose(jax.vmap(f, in_axes=1, out_axes=1)(xs), xs + 1)
+    jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=1))(xs)
+    # The mark sees the batch axis at 0; the program downstream is unchanged.
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    assert eqn.invars[0].aval.shape == (3, 2)
+
+
+def test_impl_runs_eagerly():
+    x = jnp.arange(3)
+    (y,) = stx.save_inter_p.bind(x, **_params())
+    assert y is x
+
+
+def _params():
+    jaxpr = jax.make_jaxpr(lambda x: stx.save_inter(x))(1.0)
+    return jaxpr.eqns[0].params

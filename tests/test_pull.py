@@ -1,0 +1,304 @@
+"""`pull` against hand-written references: naming, pytrees, composition, DCE, caching."""
+
+import gc
+import weakref
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import statax as stx
+from statax.testing import assert_tree_allclose, check_pull
+
+
+def f_two_layers(x):
+    h = stx.save_inter(jnp.tanh(x * 2.0), name="h")
+    g = stx.save_inter(jnp.sin(h) + x, name="h")
+    stx.save_inter({"sq": h**2, "id": h}, name="stats")
+    return jnp.sum(g * h)
+
+
+def ref_two_layers(x):
+    h = jnp.tanh(x * 2.0)
+    g = jnp.sin(h) + x
+    return jnp.sum(g * h), {"h_0": h, "h_1": g, "stats_0": {"sq": h**2, "id": h}}
+
+
+X = jnp.array([0.1, -0.4, 0.7])
+
+
+def test_composition_matrix():
+    check_pull(f_two_layers, ref_two_layers, X)
+
+
+def test_keys_count_each_name_in_program_order():
+    _, inters = stx.pull(f_two_layers)(X)
+    assert list(inters) == ["h_0", "h_1", "stats_0"]
+
+
+def test_keys_stay_unique_when_user_names_look_generated():
+    def f(x):
+        stx.save_inter(x, name="y")
+        stx.save_inter(x + 1, name="y_0")
+        stx.save_inter(x + 2, name="y")
+        stx.save_inter(x + 3, name="y_0_0")
+        return x
+
+    _, inters = stx.pull(f)(1.0)
+    assert list(inters) == ["y_0", "y_0_0", "y_1", "y_0_0_0"]
+    assert [float(v) for v in inters.values()] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_non_array_leaves_pass_through_unchanged():
+    fn = jax.nn.relu
+
+    def f(x):
+        stx.save_inter((x, "label", None, fn, 3.5), name="mixed")
+        return x
+
+    _, inters = stx.pull(jax.jit(f))(jnp.ones(2))
+    arr, label, none, func, number = inters["mixed_0"]
+    assert (label, none, func, number) == ("label", None, fn, 3.5)
+    assert_tree_allclose(arr, jnp.ones(2))
+
+
+def test_unhashable_static_leaf_passes_through():
+    class Unhashable:
+        __hash__ = None
+
+    obj = Unhashable()
+
+    def f(x):
+        stx.save_inter((x, obj), name="u")
+        return x
+
+    assert stx.pull(f)(1.0)[1]["u_0"][1] is obj
+
+
+def test_constants_are_collected():
+    def f(x):
+        stx.save_inter(jnp.arange(3.0), name="const")
+        return x
+
+    for g in (stx.pull(f), stx.pull(jax.jit(f)), jax.jit(stx.pull(f)), stx.pull(jax.grad(f))):
+        assert_tree_allclose(g(1.0)[1], {"const_0": jnp.arange(3.0)})
+
+
+def unused_mark(x):
+    stx.save_inter(x * 3.0, name="unused")
+    jax.jit(lambda y: stx.save_inter(y * 5.0, name="in_dead_jit"))(x)
+    return jnp.sin(stx.save_inter(x * 2.0, name="used"))
+
+
+def unused_mark_ref(x):
+    return jnp.sin(x * 2.0), {"unused_0": x * 3.0, "in_dead_jit_0": x * 5.0, "used_0": x * 2.0}
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.grad(jax.jit(f)),
+        lambda f: jax.grad(jax.checkpoint(f)),
+        lambda f: jax.grad(jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)),
+        lambda f: jax.grad(jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable)),
+        lambda f: jax.jit(jax.grad(jax.jit(f))),
+        lambda f: jax.grad(jax.grad(f)),
+    ],
+)
+def test_unused_values_survive_dead_code_elimination_and_remat_collects_once(transform):
+    out, inters = stx.pull(transform(unused_mark))(0.3)
+    assert_tree_allclose(inters, unused_mark_ref(0.3)[1])
+
+
+def test_inner_grad_saves_the_primal():
+    out, inters = stx.pull(jax.grad(f_two_layers))(X)
+    assert_tree_allclose(inters, ref_two_layers(X)[1])
+    assert_tree_allclose(out, jax.grad(lambda x: ref_two_layers(x)[0])(X))
+
+
+def test_inner_vmap_any_in_axes_puts_the_batch_axis_first():
+    xs = jnp.arange(6.0).reshape(3, 2) / 10
+
+    for in_axes, data in ((0, xs), (1, xs.T)):
+        _, inters = stx.pull(jax.vmap(f_two_layers, in_axes=in_axes))(data)
+        assert_tree_allclose(inters, jax.vmap(ref_two_layers)(xs)[1])
+
+
+def test_value_not_depending_on_the_batch_stays_unbatched():
+    def f(x):
+        stx.save_inter(jnp.ones(2), name="const")
+        return x
+
+    _, inters = stx.pull(jax.vmap(f))(jnp.ones(5))
+    assert inters["const_0"].shape == (2,)
+
+
+def test_hessian_in_both_orders():
+    def f(x):
+        return jnp.sum(stx.save_inter(jnp.sin(x), name="s") ** 2)
+
+    ref = jax.hessian(lambda x: jnp.sum(jnp.sin(x) ** 2))(X)
+    assert_tree_allclose(stx.pull(jax.hessian(f))(X), (ref, {"s_0": jnp.sin(X)}))
+    assert_tree_allclose(jax.hessian(stx.pull(f), has_aux=True)(X), (ref, {"s_0": jnp.sin(X)}))
+
+
+class MLP(eqx.Module):
+    layers: list
+    activation: callable = eqx.field(static=True, default=jax.nn.relu)
+    label: str = "mlp"
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = [eqx.nn.Linear(3, 4, key=k1), eqx.nn.Linear(4, 2, key=k2)]
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = stx.save_inter(self.activation(layer(x)), name=f"layer{i}")
+        return x
+
+
+def test_equinox_module_and_loss_of_module():
+    model = MLP(jax.random.key(0))
+
+    def ref(m, x):
+        h0 = jax.nn.relu(m.layers[0](x))
+        h1 = jax.nn.relu(m.layers[1](h0))
+        return h1, {"layer0_0": h0, "layer1_0": h1}
+
+    assert_tree_allclose(stx.pull(model)(X), ref(model, X))
+    assert_tree_allclose(eqx.filter_jit(stx.pull(model))(X), ref(model, X))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    def loss_ref(m, x):
+        out, inters = ref(m, x)
+        return jnp.sum(out**2), inters
+
+    for fn in (stx.pull(loss), stx.pull(eqx.filter_jit(loss)), eqx.filter_jit(stx.pull(loss))):
+        assert_tree_allclose(fn(model, X), loss_ref(model, X))
+    grads, inters = eqx.filter_grad(stx.pull(loss), has_aux=True)(model, X)
+    assert_tree_allclose(grads, eqx.filter_grad(lambda m, x: loss_ref(m, x)[0])(model, X))
+    assert_tree_allclose(inters, loss_ref(model, X)[1])
+    assert_tree_allclose(stx.pull(eqx.filter_grad(loss))(model, X)[1], loss_ref(model, X)[1])
+
+
+def test_module_weights_are_traced_not_baked_in():
+    model = MLP(jax.random.key(0))
+    model2 = jax.tree_util.tree_map(lambda x: x * 2 if eqx.is_array(x) else x, model)
+    pulled = stx.pull(model)
+    assert_tree_allclose(stx.pull(model2)(X)[1]["layer0_0"], jax.nn.relu(model2.layers[0](X)))
+    assert pulled(X)[1]["layer0_0"] is not None
+
+
+def test_nested_pull_consumes_its_own_marks():
+    def inner(x):
+        stx.save_inter(x * 2, name="inner")
+        return x + 1
+
+    def outer(x):
+        y, inters = stx.pull(inner)(x)
+        stx.save_inter(inters["inner_0"] + 100, name="outer")
+        return y
+
+    for g in (stx.pull(outer), stx.pull(jax.jit(outer)), jax.jit(stx.pull(outer))):
+        out, inters = g(1.0)
+        assert_tree_allclose(inters, {"outer_0": 102.0})
+
+
+def test_static_arguments_and_outputs():
+    def f(x, mode, scale=2.0):
+        stx.save_inter(x * scale, name=mode)
+        return x, mode
+
+    (out, mode), inters = stx.pull(f)(jnp.ones(2), "train", scale=3.0)
+    assert mode == "train" and list(inters) == ["train_0"]
+    assert_tree_allclose(inters["train_0"], 3 * jnp.ones(2))
+
+
+def test_python_number_argument_is_traced_not_static():
+    count = []
+
+    def f(x):
+        count.append(1)
+        return stx.save_inter(x * 2, name="x2")
+
+    g = stx.pull(f)
+    assert_tree_allclose(g(1.0), (2.0, {"x2_0": 2.0}))
+    assert_tree_allclose(g(5.0), (10.0, {"x2_0": 10.0}))
+    assert len(count) == 1
+
+
+def test_repeated_calls_and_fresh_pulls_do_not_retrace():
+    traces = []
+
+    def f(x, label="a"):
+        traces.append(label)
+        return stx.save_inter(x + 1, name="y")
+
+    for _ in range(3):
+        stx.pull(f)(jnp.ones(3))  # a fresh pull of the same function each time
+    assert traces == ["a"]
+    stx.pull(f)(jnp.ones(4))  # new shape
+    stx.pull(f)(jnp.ones(3, jnp.int32))  # new dtype
+    stx.pull(f)(jnp.ones(3), label="b")  # new static value
+    stx.pull(f)(jnp.ones(3), label="b")
+    assert traces == ["a", "a", "a", "b"]
+
+
+def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
+    import statax._pull as pull_module
+
+    calls = []
+    original = pull_module.pull_jaxpr
+    monkeypatch.setattr(pull_module, "pull_jaxpr", lambda j: calls.append(1) or original(j))
+
+    def f(x):
+        return stx.save_inter(x + 1)
+
+    for _ in range(3):
+        stx.pull(jax.jit(f))(jnp.ones(3))
+        stx.pull(f)(jnp.ones(3))
+    # One rewrite for `f`; `jax.jit(f)` is a new function object each time (as for jax.jit).
+    assert len(calls) == 4
+
+
+def test_cache_does_not_keep_dead_functions_alive():
+    def make():
+        def f(x):
+            return stx.save_inter(x * 2)
+
+        return f
+
+    f = make()
+    stx.pull(f)(jnp.ones(2))
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None
+
+
+def test_closure_over_an_outer_tracer_is_not_cached():
+    def outer(w):
+        return stx.pull(lambda x: stx.save_inter(w * x, name="wx"))(2.0)[1]["wx_0"]
+
+    assert_tree_allclose(jax.grad(outer)(3.0), 2.0)
+    assert_tree_allclose(jax.jit(outer)(4.0), 8.0)
+
+
+def test_bound_method_of_plain_object():
+    class Scaler:
+        def __init__(self, s):
+            self.s = s
+
+        def __call__(self, x):
+            return stx.save_inter(x * self.s, name="scaled")
+
+    assert_tree_allclose(stx.pull(Scaler(3.0).__call__)(2.0)[1], {"scaled_0": 6.0})
+    assert_tree_allclose(stx.pull(Scaler(4.0).__call__)(2.0)[1], {"scaled_0": 8.0})
+
+
+def test_pull_of_non_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="needs a callable"):
+        stx.pull(3)
