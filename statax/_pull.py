@@ -18,7 +18,7 @@ from ._meta import StateMeta, Static
 
 __all__ = ["pull"]
 
-_PY_NUMBERS = (bool, int, float, complex)
+_TRACED_PY_NUMBERS = (float, complex)
 _MAX_ENTRIES_PER_FUNCTION = 64
 
 
@@ -86,12 +86,16 @@ class _Pulled(eqx.Module):
 
 
 def _traced_mask(leaves: list, treedef) -> list[bool]:
-    """Array leaves are traced; so is a Python number passed directly as an argument."""
+    """Array leaves are traced; so is a Python float or complex passed directly as an argument.
+
+    Python ints and bools stay static, as in `eqx.filter_jit`: they are sizes, flags and
+    `static_argnums` far more often than data.
+    """
     traced = [eqx.is_array(leaf) for leaf in leaves]
     _, args_def, kwargs_def = treedef.children()
     start = treedef.children()[0].num_leaves
     for child in (*args_def.children(), *kwargs_def.children()):
-        if child.num_leaves == 1 and isinstance(leaves[start], _PY_NUMBERS) and (
+        if child.num_leaves == 1 and isinstance(leaves[start], _TRACED_PY_NUMBERS) and (
             jax.tree_util.treedef_is_leaf(child)
         ):
             traced[start] = True
@@ -168,8 +172,10 @@ def pull(fn: Callable) -> Callable:
     Args:
         fn: any callable: a function, a jitted/vmapped/differentiated function, an
             `eqx.Module`. Its arguments follow equinox's filter convention: array leaves are
-            traced, other leaves are static (as in `eqx.filter_jit`); a Python number passed
-            directly as an argument is traced too, as `jax.jit` does.
+            traced, other leaves are static (as in `eqx.filter_jit`), with one exception: a
+            Python float or complex passed directly as an argument is traced, weakly typed, as
+            `jax.jit` traces it (so `pull(f)(1.0)` does not retrace for `2.0`). Python ints
+            and bools stay static.
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a

@@ -217,7 +217,15 @@ def test_static_arguments_and_outputs():
     assert_tree_allclose(inters["train_0"], 3 * jnp.ones(2))
 
 
-def test_python_number_argument_is_traced_not_static():
+def test_python_int_and_bool_arguments_are_static():
+    def f(x, n, flag):
+        assert isinstance(n, int) and isinstance(flag, bool)
+        return stx.save_inter(x * n if flag else x, name="x")
+
+    assert_tree_allclose(stx.pull(f)(jnp.ones(2), 3, True)[1], {"x_0": 3 * jnp.ones(2)})
+
+
+def test_python_float_argument_is_traced_not_static():
     count = []
 
     def f(x):

@@ -1,0 +1,24 @@
+"""A small custom higher-order primitive, built with public JAX only, for handler tests."""
+
+import jax
+from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import mlir
+
+twice_call_p = Primitive("twice_call")
+twice_call_p.multiple_results = True
+
+
+def _impl(*args, jaxpr):
+    once = jaxpr_as_fun(jaxpr)(*args)
+    return jaxpr_as_fun(jaxpr)(*once)
+
+
+twice_call_p.def_impl(_impl)
+twice_call_p.def_abstract_eval(lambda *avals, jaxpr: jaxpr.out_avals)
+mlir.register_lowering(twice_call_p, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def twice_call(f, x):
+    """`f(f(x))`, staged as one `twice_call` equation holding `f`'s jaxpr."""
+    (out,) = twice_call_p.bind(x, jaxpr=jax.make_jaxpr(lambda y: [f(y)])(x))
+    return out

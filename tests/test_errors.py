@@ -1,0 +1,62 @@
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import statax as stx
+from statax.testing import assert_tree_allclose
+
+from .helpers import twice_call, twice_call_p
+
+
+def mark_inside(x):
+    return stx.save_inter(x * 2, name="hidden")
+
+
+LINE = mark_inside.__code__.co_firstlineno + 1
+
+
+def test_unhandled_primitive_with_a_mark_names_it_the_mark_and_the_fix():
+    def f(x):
+        return twice_call(mark_inside, x)
+
+    for g in (stx.pull(f), stx.pull(jax.jit(f)), jax.jit(stx.pull(f))):
+        with pytest.raises(stx.UnhandledPrimitiveError) as info:
+            g(1.0)
+        message = str(info.value)
+        assert "`twice_call`" in message
+        assert re.search(rf"'hidden' at .*test_errors.py:{LINE}", message)
+        assert "statax.register_handler(twice_call_p, handler)" in message
+        assert info.value.primitive is twice_call_p
+
+
+def test_unhandled_primitive_without_marks_is_left_alone():
+    def f(x):
+        return stx.save_inter(twice_call(lambda y: y * 3, x), name="after")
+
+    assert_tree_allclose(stx.pull(f)(1.0), (9.0, {"after_0": 9.0}))
+
+
+def test_handler_returning_wrong_number_of_outputs_is_reported():
+    def bad_handler(eqn):
+        return eqn, (stx.find_saves(eqn.params["jaxpr"])[0],)
+
+    stx.register_handler(twice_call_p, bad_handler)
+    try:
+        with pytest.raises(stx.HandlerError, match=r"`twice_call` returned an equation with 1"):
+            stx.pull(lambda x: twice_call(mark_inside, x))(1.0)
+    finally:
+        from statax._interpreter import _HANDLERS
+
+        del _HANDLERS[twice_call_p]
+
+
+def test_register_handler_needs_a_primitive():
+    with pytest.raises(TypeError, match="needs a jax.extend.core.Primitive"):
+        stx.register_handler("cond", lambda eqn: (eqn, ()))
+
+
+def test_unhandled_primitive_error_is_raised_at_trace_time_not_run_time():
+    with pytest.raises(stx.UnhandledPrimitiveError):
+        jax.make_jaxpr(stx.pull(lambda x: twice_call(mark_inside, x)))(jnp.ones(2))
