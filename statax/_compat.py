@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 from jax._src import source_info_util  # all supported versions
 from jax._src.interpreters import ad, batching, mlir  # all supported versions
 from jax._src.interpreters import partial_eval as pe  # all supported versions
@@ -23,6 +22,7 @@ __all__ = [
     "JIT_PRIMITIVE",
     "UNSPECIFIED_SHARDING",
     "extend_debug_info",
+    "jaxprs_in_params",
     "keep_marked_calls_alive",
     "register_batching_rule",
     "register_dce_rule",
@@ -32,6 +32,11 @@ __all__ = [
     "register_transpose_rule",
     "user_context",
 ]
+
+# Public in `jax.extend.core` since JAX 0.9; `jax._src.core` before.
+jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
+if jaxprs_in_params is None:
+    from jax._src.core import jaxprs_in_params  # noqa: F401
 
 # `jit_p` (named "jit") since JAX 0.7; `pjit_p` before.
 JIT_PRIMITIVE: jex.Primitive = getattr(jex.primitives, "jit_p", None) or jex.primitives.pjit_p
@@ -115,7 +120,8 @@ def register_remat_partial_eval_rule(
 
     def rule(saveable, unks_in, inst_in, eqn):
         residuals = [
-            v for v, inst in zip(eqn.invars, inst_in, strict=True)
+            v
+            for v, inst in zip(eqn.invars, inst_in, strict=True)
             if isinstance(v, jex.Var) and not inst
         ]
         n = len(eqn.outvars)
@@ -142,5 +148,3 @@ def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:
 def user_context(eqn: jex.JaxprEqn):
     """Attribute errors raised while handling `eqn` to the user's line that made it."""
     return source_info_util.user_context(eqn.source_info.traceback)
-
-

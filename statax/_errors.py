@@ -9,7 +9,6 @@ from ._meta import StateMeta
 __all__ = ["HandlerError", "UnhandledPrimitiveError"]
 
 
-
 def _where(metas: Sequence[StateMeta]) -> str:
     shown = ", ".join(f"{m.name!r} at {m.location}" for m in metas[:3])
     more = f" and {len(metas) - 3} more" if len(metas) > 3 else ""

@@ -99,12 +99,12 @@ def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
             if eqn.params["collect"]:
                 yield eqn.params["meta"]
         else:
-            for sub in jex.jaxprs_in_params(eqn.params):
+            for sub in _compat.jaxprs_in_params(eqn.params):
                 yield from find_saves(sub)
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
-    return tuple(m for sub in jex.jaxprs_in_params(eqn.params) for m in find_saves(sub))
+    return tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
 
 
 _compat.keep_marked_calls_alive(lambda eqn: bool(_eqn_saves(eqn)))
@@ -134,7 +134,9 @@ def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, tuple[St
     cached = _PULLED.get(closed_jaxpr)
     if cached is None:
         jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
-        new = closed_jaxpr if jaxpr is closed_jaxpr.jaxpr else jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
+        new = closed_jaxpr
+        if jaxpr is not closed_jaxpr.jaxpr:
+            new = jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
         cached = _PULLED[closed_jaxpr] = (new, metas)
     return cached
 
@@ -177,7 +179,7 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
             new_eqn, new_metas = handler(eqn)
         _check_handler_result(eqn, new_eqn, new_metas)
         eqns.append(new_eqn)
-        extra.extend(new_eqn.outvars[len(eqn.outvars):])
+        extra.extend(new_eqn.outvars[len(eqn.outvars) :])
         metas.extend(new_metas)
     names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
     new = jaxpr.replace(

@@ -83,7 +83,7 @@ def save_inter(value: T, name: str | None = None) -> T:
     if not isinstance(name, str):
         raise TypeError(
             f"save_inter(value, name=...) needs a string name, got {name!r} of type "
-            f"{type(name).__name__} at {_caller_location()}. Pass e.g. name=\"activation\"."
+            f'{type(name).__name__} at {_caller_location()}. Pass e.g. name="activation".'
         )
     leaves, treedef = jax.tree_util.tree_flatten(value)
     is_array = [eqx.is_array(leaf) for leaf in leaves]

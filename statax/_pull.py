@@ -82,7 +82,8 @@ class _Pulled(eqx.Module):
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
         flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
-        return _unflatten_out(entry, flat[: entry.num_out]), _name(entry.metas, flat[entry.num_out:])
+        n = entry.num_out
+        return _unflatten_out(entry, flat[:n]), _name(entry.metas, flat[n:])
 
 
 def _traced_mask(leaves: list, treedef) -> list[bool]:
@@ -95,8 +96,10 @@ def _traced_mask(leaves: list, treedef) -> list[bool]:
     _, args_def, kwargs_def = treedef.children()
     start = treedef.children()[0].num_leaves
     for child in (*args_def.children(), *kwargs_def.children()):
-        if child.num_leaves == 1 and isinstance(leaves[start], _TRACED_PY_NUMBERS) and (
-            jax.tree_util.treedef_is_leaf(child)
+        if (
+            child.num_leaves == 1
+            and isinstance(leaves[start], _TRACED_PY_NUMBERS)
+            and (jax.tree_util.treedef_is_leaf(child))
         ):
             traced[start] = True
         start += child.num_leaves
@@ -136,7 +139,8 @@ def _trace(call, leaves, treedef, traced) -> _Entry:
         out = call(tree, *args, **kwargs)
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
         is_arr = [eqx.is_array(x) for x in out_leaves]
-        out_info.append((out_def, tuple(None if a else (x,) for x, a in zip(out_leaves, is_arr, strict=True))))
+        static = tuple(None if a else (x,) for x, a in zip(out_leaves, is_arr, strict=True))
+        out_info.append((out_def, static))
         return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
 
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]

@@ -41,7 +41,9 @@ def hlo_ops(fn: Callable, *args: Any, optimized: bool = True) -> list[str]:
     return ops
 
 
-def assert_tree_allclose(actual: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def assert_tree_allclose(
+    actual: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
     """Same structure, same keys, values equal within tolerance (shapes and dtypes too)."""
     a_leaves, a_def = jax.tree_util.tree_flatten(actual)
     e_leaves, e_def = jax.tree_util.tree_flatten(expected)
@@ -67,7 +69,14 @@ def check_pull(
     reference: Callable,
     *args: Any,
     transforms: tuple[str, ...] = (
-        "plain", "jit", "vmap", "grad", "jacfwd", "jacrev", "filter_jit", "filter_vmap",
+        "plain",
+        "jit",
+        "vmap",
+        "grad",
+        "jacfwd",
+        "jacrev",
+        "filter_jit",
+        "filter_vmap",
         "filter_grad",
     ),
     rtol: float = 1e-5,
@@ -80,29 +89,40 @@ def check_pull(
     the gradient of a scalar output with respect to the first argument; under an inner
     derivative the intermediates are the primal values.
     """
+
     def expect(name):
         if name in ("plain", "jit", "filter_jit"):
             return reference(*args)
         if name in ("vmap", "filter_vmap"):
             return jax.vmap(reference)(*_stack(args))
-        d = {"grad": jax.grad, "filter_grad": jax.grad, "jacfwd": jax.jacfwd,
-             "jacrev": jax.jacrev}[name]
+        d = {"grad": jax.grad, "filter_grad": jax.grad, "jacfwd": jax.jacfwd, "jacrev": jax.jacrev}[
+            name
+        ]
         return d(reference, has_aux=True)(*args)
 
     def inputs(name):
         return _stack(args) if name in ("vmap", "filter_vmap") else args
 
     inner = {
-        "plain": lambda f: f, "jit": jax.jit, "vmap": jax.vmap, "grad": jax.grad,
-        "jacfwd": jax.jacfwd, "jacrev": jax.jacrev, "filter_jit": eqx.filter_jit,
-        "filter_vmap": eqx.filter_vmap, "filter_grad": eqx.filter_grad,
+        "plain": lambda f: f,
+        "jit": jax.jit,
+        "vmap": jax.vmap,
+        "grad": jax.grad,
+        "jacfwd": jax.jacfwd,
+        "jacrev": jax.jacrev,
+        "filter_jit": eqx.filter_jit,
+        "filter_vmap": eqx.filter_vmap,
+        "filter_grad": eqx.filter_grad,
     }
     outer = {
-        "plain": lambda f: f, "jit": jax.jit, "vmap": jax.vmap,
+        "plain": lambda f: f,
+        "jit": jax.jit,
+        "vmap": jax.vmap,
         "grad": lambda f: jax.grad(f, has_aux=True),
         "jacfwd": lambda f: jax.jacfwd(f, has_aux=True),
         "jacrev": lambda f: jax.jacrev(f, has_aux=True),
-        "filter_jit": eqx.filter_jit, "filter_vmap": eqx.filter_vmap,
+        "filter_jit": eqx.filter_jit,
+        "filter_vmap": eqx.filter_vmap,
         "filter_grad": lambda f: eqx.filter_grad(f, has_aux=True),
     }
     for name in transforms:

@@ -13,7 +13,7 @@ from .._interpreter import pull_jaxpr, register_handler, with_extra_outputs
 
 def _jit_handler(eqn):
     jaxpr, metas = pull_jaxpr(eqn.params["jaxpr"])
-    new_avals = jaxpr.out_avals[len(eqn.outvars):]
+    new_avals = jaxpr.out_avals[len(eqn.outvars) :]
     k = len(new_avals)
     return with_extra_outputs(
         eqn,

@@ -1,0 +1,41 @@
+"""Docs are code: every example in README.md and docs/ runs here.
+
+`pycon` blocks (`>>>` prompts) run as doctests, outputs compared up to whitespace; `python`
+blocks are executed. Blocks of one page share a namespace, in page order.
+"""
+
+import doctest
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+FENCE = re.compile(r"^```(python|pycon)\n(.*?)^```", re.M | re.S)
+
+
+def blocks(page):
+    return [(lang, body) for lang, body in FENCE.findall(page.read_text())]
+
+
+def test_every_page_has_examples_or_none_claimed():
+    assert blocks(ROOT / "README.md"), "the README's example must be a python block"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_examples_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # examples that write files write them here
+    namespace = {"__name__": "__docs__"}
+    flags = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+    runner = doctest.DocTestRunner(optionflags=flags)
+    parser = doctest.DocTestParser()
+    for i, (lang, body) in enumerate(blocks(page)):
+        name = f"{page.name}[block {i}]"
+        if lang == "python":
+            exec(compile(body, name, "exec"), namespace)
+        else:
+            test = parser.get_doctest(body, namespace, name, str(page), 0)
+            result = runner.run(test, clear_globs=False)
+            namespace.update(test.globs)
+            assert result.failed == 0, f"{name} failed; see the doctest output above"
