@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+from jax._src import linear_util as lu  # all supported versions
 from jax._src import source_info_util  # all supported versions
 from jax._src.interpreters import ad, batching, mlir  # all supported versions
 from jax._src.interpreters import partial_eval as pe  # all supported versions
@@ -25,6 +27,8 @@ __all__ = [
     "jaxprs_in_params",
     "keep_marked_calls_alive",
     "register_batching_rule",
+    "register_rebatching",
+    "trace",
     "register_dce_rule",
     "register_jvp_rule",
     "register_lowering_identity",
@@ -131,6 +135,43 @@ def register_remat_partial_eval_rule(
         return eqn, staged, [False] * n, [True] * n, residuals
 
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
+def trace(fn: Callable, in_avals: Sequence[Any], name: str = "statax") -> jex.ClosedJaxpr:
+    """Trace `fn(*args) -> list of arrays` at exactly `in_avals` (shardings, manual axes and
+    weak types included, which `jax.make_jaxpr` of `ShapeDtypeStruct`s would not keep)."""
+    debug_info = lu.DebugInfo("statax", name, None, None)
+    wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def register_rebatching(prim: jex.Primitive, needs_rebatching: Callable[[dict], bool],
+                        staged: Callable[..., Sequence[Any]]) -> None:
+    """Run `staged(*args, **params)` instead of `prim`'s own batching rule where
+    `needs_rebatching(params)`.
+
+    JAX batches a `cond`, `scan` or `while` as a whole, before `pull` sees it (a batched `cond`
+    even becomes a select over both branches). Where such a primitive holds marks, `staged`
+    takes the intermediates out of it (as `pull`'s handler does) and marks them again outside;
+    it is traced per example and batched with JAX's own rules, in which `prim` holds no marks
+    any more and so is batched by its own rule. Elsewhere the original rule runs untouched.
+    """
+    original = batching.fancy_primitive_batchers[prim]
+
+    def rule(axis_data, args, dims, **params):
+        if not needs_rebatching(params):
+            return original(axis_data, args, dims, **params)
+        in_avals = [
+            jex.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
+            for x, d in zip(args, dims, strict=True)
+        ]
+        closed = trace(lambda *a: staged(*a, **params), in_avals, name=f"statax_{prim}")
+        batched, out_dims = batching.batch_jaxpr2(closed, axis_data, tuple(dims))
+        return jex.jaxpr_as_fun(batched)(*args), list(out_dims)
+
+    rule._statax_original = original
+    batching.fancy_primitive_batchers[prim] = rule
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

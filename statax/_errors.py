@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ._meta import StateMeta
 
-__all__ = ["HandlerError", "UnhandledPrimitiveError"]
+__all__ = ["BranchMismatchError", "HandlerError", "UnhandledPrimitiveError"]
 
 
 def _where(metas: Sequence[StateMeta]) -> str:
@@ -39,4 +39,21 @@ class HandlerError(TypeError):
             f"The statax handler for `{primitive}` {problem}. A handler returns "
             "(new_eqn, metas): new_eqn's outputs are the original ones followed by the array "
             "leaves of each StateMeta in metas, in order."
+        )
+
+
+class BranchMismatchError(TypeError):
+    """Two branches of a `cond` save different kinds of value under one (name, occurrence)."""
+
+    def __init__(self, meta_a: StateMeta, avals_a, meta_b: StateMeta, avals_b):
+        def kind(meta, avals):
+            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+            return f"{meta.treedef} of ({shapes})"
+
+        super().__init__(
+            f"The branches of a cond/switch save different values as {meta_a.name!r}: "
+            f"{kind(meta_a, avals_a)} at {meta_a.location}, but {kind(meta_b, avals_b)} at "
+            f"{meta_b.location}. statax returns one value per name and occurrence from "
+            "whichever branch ran, so they must match. To fix: give the two save_inter calls "
+            "different names."
         )

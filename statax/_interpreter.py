@@ -29,7 +29,13 @@ from ._meta import StateMeta
 from ._primitive import save_inter_p
 
 __all__ = [
+    "Exposer",
     "Handler",
+    "call_equation",
+    "handler_from_exposer",
+    "mark",
+    "register_exposer",
+    "split_leaves",
     "find_saves",
     "pull_jaxpr",
     "pull_open_jaxpr",
@@ -205,6 +211,82 @@ def _check_handler_result(eqn, new_eqn, metas) -> None:
 
 
 # ---- plumbing for handlers -----------------------------------------------------------------
+
+
+Exposer: TypeAlias = Callable[..., tuple[Sequence, Sequence, tuple[StateMeta, ...]]]
+
+
+def handler_from_exposer(exposer: Exposer) -> Handler:
+    """A handler from an *exposer*: a function that runs the primitive on values.
+
+    `exposer(*args, **params) -> (outs, leaves, metas)` binds the primitive (with the marks
+    taken out of its jaxprs) and whatever else it needs in the current trace, and returns the
+    original outputs, the flat array leaves of the intermediates, and their metas. The handler
+    traces it at the equation's input types and wraps the result in one `closed_call` equation.
+    The same exposer serves `register_rebatching`, so that `vmap` and `pull` agree.
+    """
+
+    def handler(eqn: jex.JaxprEqn) -> tuple[jex.JaxprEqn, tuple[StateMeta, ...]]:
+        found: list[tuple[StateMeta, ...]] = []
+
+        def run(*args):
+            outs, leaves, metas = exposer(*args, **eqn.params)
+            found.append(tuple(metas))
+            return [*outs, *leaves]
+
+        closed = _compat.trace(run, [x.aval for x in eqn.invars], name=str(eqn.primitive))
+        return call_equation(eqn, closed), found[0]
+
+    return handler
+
+
+def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
+    """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
+    primitive is batched where it holds marks (see `handler_from_exposer`)."""
+    register_handler(primitive, handler_from_exposer(exposer))
+
+    def staged(*args, **params):
+        outs, leaves, metas = exposer(*args, **params)
+        mark(leaves, metas)
+        return outs
+
+    _compat.register_rebatching(primitive, _params_hold_marks, staged)
+
+
+def _params_hold_marks(params: dict) -> bool:
+    return any(find_saves(sub) for sub in _compat.jaxprs_in_params(params))
+
+
+def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
+    """Mark flat intermediates again with `save_inter` (the inverse of exposing them)."""
+    start = 0
+    for meta in metas:
+        stop = start + meta.num_arrays
+        save_inter_p.bind(*leaves[start:stop], meta=meta, collect=True)
+        start = stop
+
+
+def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]:
+    """Flat intermediate leaves, cut into one sequence per meta."""
+    out, start = [], 0
+    for meta in metas:
+        out.append(leaves[start:start + meta.num_arrays])
+        start += meta.num_arrays
+    return out
+
+
+def call_equation(eqn: jex.JaxprEqn, closed_jaxpr: jex.ClosedJaxpr) -> jex.JaxprEqn:
+    """A `closed_call` of `closed_jaxpr` on `eqn`'s inputs, in place of `eqn`.
+
+    `closed_jaxpr` returns `eqn`'s outputs followed by extra ones, which get fresh variables.
+    """
+    extra = closed_jaxpr.out_avals[len(eqn.outvars):]
+    return eqn.replace(
+        primitive=jex.primitives.closed_call_p,
+        params={"call_jaxpr": closed_jaxpr},
+        outvars=[*eqn.outvars, *(jex.Var(aval) for aval in extra)],
+        effects=closed_jaxpr.effects,
+    )
 
 
 def with_extra_outputs(eqn: jex.JaxprEqn, avals: Sequence, **params) -> jex.JaxprEqn:

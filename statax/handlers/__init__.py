@@ -4,4 +4,6 @@ One module per primitive family; importing this package registers them all. Each
 with what it reads from the equation's params, how intermediates leave, and its limits.
 """
 
+from . import cond as cond
 from . import jit as jit
+from . import loops as loops
