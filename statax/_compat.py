@@ -26,6 +26,7 @@ __all__ = [
     "extend_debug_info",
     "jaxprs_in_params",
     "keep_marked_calls_alive",
+    "bind",
     "register_batching_rule",
     "register_rebatching",
     "trace",
@@ -144,6 +145,16 @@ def trace(fn: Callable, in_avals: Sequence[Any], name: str = "statax") -> jex.Cl
     wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def bind(prim: jex.Primitive, args: Sequence[Any], params: dict) -> Any:
+    """Bind `prim` with an equation's `params`, as `eval_jaxpr` does (custom derivatives keep
+    functions in their params that `bind` takes as leading arguments)."""
+    bind_params = prim.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # JAX < 0.9: (subfuns, params)
+        subfuns, bind_params = bind_params
+        return prim.bind(*subfuns, *args, **bind_params)
+    return prim.bind(*args, **bind_params)
 
 
 def register_rebatching(prim: jex.Primitive, needs_rebatching: Callable[[dict], bool],

@@ -33,6 +33,7 @@ __all__ = [
     "Handler",
     "call_equation",
     "handler_from_exposer",
+    "inert",
     "mark",
     "register_exposer",
     "split_leaves",
@@ -255,6 +256,42 @@ def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
 
 def _params_hold_marks(params: dict) -> bool:
     return any(find_saves(sub) for sub in _compat.jaxprs_in_params(params))
+
+
+_INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inert(jaxpr):
+    """`jaxpr` (open or closed) with every mark, at any depth, made inert (`collect=False`).
+
+    For handlers that keep an equation as it was beside a pulled copy (custom derivatives,
+    linear solves): its marks must not be collected again by an enclosing `pull`.
+    """
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        new = inert(jaxpr.jaxpr)
+        return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
+    if not find_saves(jaxpr):
+        return jaxpr
+    cached = _INERT.get(jaxpr)
+    if cached is None:
+        eqns = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is save_inter_p:
+                eqn = eqn.replace(params=dict(eqn.params, collect=False))
+            elif _eqn_saves(eqn):
+                eqn = eqn.replace(params={k: _inert_param(v) for k, v in eqn.params.items()})
+            eqns.append(eqn)
+        cached = _INERT[jaxpr] = jaxpr.replace(eqns=eqns)
+    return cached
+
+
+def _inert_param(value):
+    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
+        return inert(value)
+    if isinstance(value, tuple) and any(isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) for v in value):
+        items = [_inert_param(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:

@@ -4,6 +4,10 @@ One module per primitive family; importing this package registers them all. Each
 with what it reads from the equation's params, how intermediates leave, and its limits.
 """
 
+from . import calls as calls
 from . import cond as cond
+from . import custom_derivatives as custom_derivatives
 from . import jit as jit
 from . import loops as loops
+from . import remat as remat
+from . import solves as solves

@@ -1,0 +1,36 @@
+"""Handlers for `custom_jvp_call` and `custom_vjp_call` (`jax.custom_jvp`, `jax.custom_vjp`,
+`lax.custom_root`, and equinox's checkpointed while loop, which is built from them).
+
+Reads `call_jaxpr`, the primal function. The equation itself is kept, with its marks made
+inert, so the custom rule keeps governing derivatives; beside it, the pulled primal function
+runs on the same inputs behind `stop_gradient` and provides the intermediates. Once compiled,
+XLA computes the shared work once.
+
+Under `pull(grad(f))` JAX has already replaced the equation by what it runs: the primal
+function for `custom_jvp` (if the JVP rule calls it), `fwd` and `bwd` for `custom_vjp`; their
+marks are collected where they run.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex
+from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p
+
+from .. import _compat
+from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_handler
+
+
+def _exposer(primitive):
+    def exposer(*args, call_jaxpr, **params):
+        outs = _compat.bind(primitive, args, dict(params, call_jaxpr=inert(call_jaxpr)))
+        pulled, metas = pull_jaxpr(call_jaxpr)
+        frozen = [jax.lax.stop_gradient(x) for x in args]
+        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(call_jaxpr.out_avals):]
+        return outs, leaves, metas
+
+    return exposer
+
+
+for _primitive in (custom_jvp_call_p, custom_vjp_call_p):
+    register_handler(_primitive, handler_from_exposer(_exposer(_primitive)))

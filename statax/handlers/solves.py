@@ -1,0 +1,36 @@
+"""Handler for `custom_linear_solve` (`lax.custom_linear_solve`).
+
+Reads `jaxprs` and `const_lengths`. The forward computation is `solve(matvec, b)`, so the
+intermediates are the marks of the `solve` function (including those of `matvec` where `solve`
+calls it), evaluated, as for custom derivatives, beside the kept equation behind
+`stop_gradient`. The separate `matvec`, `vecmat` and `transpose_solve` jaxprs run only under
+differentiation, where JAX builds a new `custom_linear_solve` that this handler sees again.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex
+from jax.extend.core.primitives import linear_solve_p
+
+from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_handler
+
+
+def _linear_solve_exposer(*args, const_lengths, jaxprs, **params):
+    outs = linear_solve_p.bind(
+        *args, const_lengths=const_lengths, jaxprs=type(jaxprs)(*map(_inert, jaxprs)), **params
+    )
+    start = const_lengths.matvec + const_lengths.vecmat
+    solve_consts = args[start:start + const_lengths.solve]
+    b = args[sum(const_lengths):]
+    pulled, metas = pull_jaxpr(jaxprs.solve)
+    frozen = [jax.lax.stop_gradient(x) for x in (*solve_consts, *b)]
+    leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(jaxprs.solve.out_avals):]
+    return outs, leaves, metas
+
+
+def _inert(jaxpr):
+    return None if jaxpr is None else inert(jaxpr)
+
+
+register_handler(linear_solve_p, handler_from_exposer(_linear_solve_exposer))
