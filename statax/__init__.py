@@ -7,6 +7,7 @@ Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
 import importlib.metadata
 
 from . import handlers as handlers  # registers the built-in handlers
+from ._errors import BranchMismatchError as BranchMismatchError
 from ._errors import HandlerError as HandlerError
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._interpreter import Handler as Handler
@@ -27,6 +28,7 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not instal
 
 __all__ = [
     "ARRAY",
+    "BranchMismatchError",
     "Handler",
     "HandlerError",
     "StateMeta",

@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import config as jax_config  # all supported versions
+from jax._src import core  # all supported versions
+from jax._src import effects as effects_lib  # all supported versions
 from jax._src import linear_util as lu  # all supported versions
 from jax._src import source_info_util  # all supported versions
 from jax._src.interpreters import ad, batching, mlir  # all supported versions
@@ -22,15 +25,17 @@ from jax.extend import core as jex
 
 __all__ = [
     "JIT_PRIMITIVE",
+    "PULLING",
+    "REMAT_PRIMITIVE",
+    "SHARD_MAP_PRIMITIVE",
+    "SAVE_EFFECT",
     "UNSPECIFIED_SHARDING",
     "extend_debug_info",
     "jaxprs_in_params",
-    "keep_marked_calls_alive",
     "bind",
     "register_batching_rule",
     "register_rebatching",
     "trace",
-    "register_dce_rule",
     "register_jvp_rule",
     "register_lowering_identity",
     "register_remat_partial_eval_rule",
@@ -43,8 +48,49 @@ jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
 if jaxprs_in_params is None:
     from jax._src.core import jaxprs_in_params  # noqa: F401
 
+
+class SaveEffect(effects_lib.Effect):
+    """Carried by a mark while a `pull` traces it, so that no transformation drops it.
+
+    JAX removes effect-free equations whose outputs are unused in many places (dead-code
+    elimination, and tracing that drops such equations as it goes, as the linearisation of
+    JAX 0.9+ does); an effect keeps them. `pull` removes every mark it collects, and its effect
+    with it, so the programs it returns carry no effect. Marks traced outside a `pull` carry no
+    effect and cost nothing.
+    """
+
+    def __repr__(self) -> str:
+        return "SaveEffect"
+
+
+SAVE_EFFECT = SaveEffect()
+for _allowed in (
+    effects_lib.control_flow_allowed_effects,
+    effects_lib.custom_derivatives_allowed_effects,
+    effects_lib.remat_allowed_effects,
+    effects_lib.lowerable_effects,
+    effects_lib.partial_eval_kept_effects,
+):
+    _allowed.add_type(SaveEffect)
+
+# Whether a `pull` is tracing. Part of JAX's trace context, so that `jax.jit` caches the traces
+# it makes inside a `pull` (whose marks carry `SaveEffect`) apart from the others.
+PULLING = jax_config.bool_state(
+    "statax_pulling",
+    False,
+    "Internal to statax: true while statax.pull traces a function.",
+    include_in_trace_context=True,
+)
+
+
 # `jit_p` (named "jit") since JAX 0.7; `pjit_p` before.
 JIT_PRIMITIVE: jex.Primitive = getattr(jex.primitives, "jit_p", None) or jex.primitives.pjit_p
+# `remat_p` is public in `jax.extend.core.primitives` since JAX 0.9.
+REMAT_PRIMITIVE: jex.Primitive = getattr(jex.primitives, "remat_p", None)
+if REMAT_PRIMITIVE is None:
+    from jax._src.ad_checkpoint import remat_p as REMAT_PRIMITIVE  # noqa: N811
+# `shard_map_p` is private in all supported versions.
+from jax._src.shard_map import shard_map_p as SHARD_MAP_PRIMITIVE  # noqa: E402
 
 # The sharding that leaves the choice to the compiler, used for the outputs `pull` adds to a jit.
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED_SHARDING  # noqa: E402
@@ -80,39 +126,6 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching.fancy_primitive_batchers[prim] = fancy
 
 
-def register_dce_rule(prim: jex.Primitive, keep: Callable[[jex.JaxprEqn], bool]) -> None:
-    """Keep an equation through JAX's dead-code elimination when `keep(eqn)` is true."""
-
-    def rule(used_outputs, eqn):
-        if keep(eqn) or any(used_outputs):
-            return [True] * len(eqn.invars), eqn
-        return [False] * len(eqn.invars), None
-
-    pe.dce_rules[prim] = rule
-
-
-def keep_marked_calls_alive(holds_marks: Callable[[jex.JaxprEqn], bool]) -> None:
-    """Stop JAX's dead-code elimination from dropping a whole higher-order equation (a jit, a
-    cond, a scan, ...) whose outputs are all unused but whose inner jaxprs hold marks.
-
-    JAX's DCE rules for call-like primitives drop such an equation outright, without looking
-    inside; the rule for `save_inter_p` itself only keeps marks in equations that survive. So
-    each registered DCE rule is wrapped: where `holds_marks(eqn)` and no output is used, it
-    runs as if every output were used. Elsewhere the rule runs unchanged.
-    """
-    for prim, rule in list(pe.dce_rules.items()):
-        if getattr(rule, "_statax_wrapped", False):
-            continue
-
-        def wrapped(used_outputs, eqn, _rule=rule):
-            if not any(used_outputs) and holds_marks(eqn):
-                used_outputs = [True] * len(used_outputs)
-            return _rule(used_outputs, eqn)
-
-        wrapped._statax_wrapped = True
-        pe.dce_rules[prim] = wrapped
-
-
 def register_remat_partial_eval_rule(
     prim: jex.Primitive, recompute_params: Callable[[dict], dict]
 ) -> None:
@@ -132,7 +145,9 @@ def register_remat_partial_eval_rule(
         n = len(eqn.outvars)
         if any(unks_in):
             return None, eqn, [True] * n, [True] * n, residuals
-        staged = eqn.replace(params=recompute_params(eqn.params))
+        params = recompute_params(eqn.params)
+        _, effects = prim.abstract_eval(*[x.aval for x in eqn.invars], **params)
+        staged = eqn.replace(params=params, effects=effects)
         return eqn, staged, [False] * n, [True] * n, residuals
 
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
@@ -157,8 +172,11 @@ def bind(prim: jex.Primitive, args: Sequence[Any], params: dict) -> Any:
     return prim.bind(*args, **bind_params)
 
 
-def register_rebatching(prim: jex.Primitive, needs_rebatching: Callable[[dict], bool],
-                        staged: Callable[..., Sequence[Any]]) -> None:
+def register_rebatching(
+    prim: jex.Primitive,
+    needs_rebatching: Callable[[dict], bool],
+    staged: Callable[..., Sequence[Any]],
+) -> None:
     """Run `staged(*args, **params)` instead of `prim`'s own batching rule where
     `needs_rebatching(params)`.
 
@@ -174,7 +192,7 @@ def register_rebatching(prim: jex.Primitive, needs_rebatching: Callable[[dict], 
         if not needs_rebatching(params):
             return original(axis_data, args, dims, **params)
         in_avals = [
-            jex.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
+            core.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
             for x, d in zip(args, dims, strict=True)
         ]
         closed = trace(lambda *a: staged(*a, **params), in_avals, name=f"statax_{prim}")

@@ -114,9 +114,6 @@ def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     return tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
 
 
-_compat.keep_marked_calls_alive(lambda eqn: bool(_eqn_saves(eqn)))
-
-
 # ---- the walk ------------------------------------------------------------------------------
 
 _PULLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,16 +182,22 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
         with _compat.user_context(eqn):
             new_eqn, new_metas = handler(eqn)
         _check_handler_result(eqn, new_eqn, new_metas)
-        eqns.append(new_eqn)
+        eqns.append(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
         extra.extend(new_eqn.outvars[len(eqn.outvars) :])
         metas.extend(new_metas)
     names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
     new = jaxpr.replace(
         eqns=eqns,
         outvars=[read(x) for x in jaxpr.outvars] + extra,
+        effects=_without_save_effect(jaxpr.effects),
         debug_info=_compat.extend_debug_info(jaxpr.debug_info, names),
     )
     return new, tuple(metas)
+
+
+def _without_save_effect(effects):
+    # Once pulled, no mark is left inside, and so neither is the effect marks carry.
+    return effects - {_compat.SAVE_EFFECT} if _compat.SAVE_EFFECT in effects else effects
 
 
 def _check_handler_result(eqn, new_eqn, metas) -> None:
@@ -255,7 +258,11 @@ def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
 
 
 def _params_hold_marks(params: dict) -> bool:
-    return any(find_saves(sub) for sub in _compat.jaxprs_in_params(params))
+    # Only while a `pull` traces: outside one, marks are plain identities, and JAX's own
+    # batching rule is the cheapest.
+    return bool(_compat.PULLING.value) and any(
+        find_saves(sub) for sub in _compat.jaxprs_in_params(params)
+    )
 
 
 _INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -277,11 +284,13 @@ def inert(jaxpr):
         eqns = []
         for eqn in jaxpr.eqns:
             if eqn.primitive is save_inter_p:
-                eqn = eqn.replace(params=dict(eqn.params, collect=False))
+                eqn = eqn.replace(params=dict(eqn.params, collect=False, active=False))
             elif _eqn_saves(eqn):
                 eqn = eqn.replace(params={k: _inert_param(v) for k, v in eqn.params.items()})
-            eqns.append(eqn)
-        cached = _INERT[jaxpr] = jaxpr.replace(eqns=eqns)
+            eqns.append(eqn.replace(effects=_without_save_effect(eqn.effects)))
+        cached = _INERT[jaxpr] = jaxpr.replace(
+            eqns=eqns, effects=_without_save_effect(jaxpr.effects)
+        )
     return cached
 
 
@@ -299,7 +308,9 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
     start = 0
     for meta in metas:
         stop = start + meta.num_arrays
-        save_inter_p.bind(*leaves[start:stop], meta=meta, collect=True)
+        save_inter_p.bind(
+            *leaves[start:stop], meta=meta, collect=True, active=bool(_compat.PULLING.value)
+        )
         start = stop
 
 
@@ -307,7 +318,7 @@ def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]
     """Flat intermediate leaves, cut into one sequence per meta."""
     out, start = [], 0
     for meta in metas:
-        out.append(leaves[start:start + meta.num_arrays])
+        out.append(leaves[start : start + meta.num_arrays])
         start += meta.num_arrays
     return out
 
@@ -317,7 +328,7 @@ def call_equation(eqn: jex.JaxprEqn, closed_jaxpr: jex.ClosedJaxpr) -> jex.Jaxpr
 
     `closed_jaxpr` returns `eqn`'s outputs followed by extra ones, which get fresh variables.
     """
-    extra = closed_jaxpr.out_avals[len(eqn.outvars):]
+    extra = closed_jaxpr.out_avals[len(eqn.outvars) :]
     return eqn.replace(
         primitive=jex.primitives.closed_call_p,
         params={"call_jaxpr": closed_jaxpr},

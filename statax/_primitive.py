@@ -3,10 +3,11 @@
 Without `pull`, `save_inter_p` is the identity and costs nothing once compiled: it lowers to no
 op, its JVP saves the primal and passes tangents through, it transposes to the identity, and
 under `vmap` it hands its operands on untouched (the batch axis is moved to 0 only on the copy
-that is saved). Two rules keep a mark alive where JAX would otherwise lose or repeat it:
+that is saved). Two things keep a mark alive where JAX would otherwise lose or repeat it:
 
-* dead-code elimination keeps it even when its outputs are unused, so that
-  `pull(grad(jit(f)))` still collects a value nobody reads;
+* while a `pull` traces it (`active=True`) it carries `SaveEffect`, so that no dead-code
+  elimination drops it, and `pull(grad(jit(f)))` still collects a value nobody reads. Outside
+  a `pull` it has no effect, and XLA removes it like any identity;
 * `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
   rematerialisation replays in the backward pass into an inert one (`collect=False`), so that
   each value is collected once, not once per recomputation.
@@ -92,7 +93,8 @@ def save_inter(value: T, name: str | None = None) -> T:
     )
     meta = StateMeta(name, treedef, static, _caller_location())
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
-    outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=True))
+    active = bool(_compat.PULLING.value)
+    outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=True, active=active))
     return jax.tree_util.tree_unflatten(
         treedef, [next(outs) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
     )
@@ -102,27 +104,27 @@ def save_inter(value: T, name: str | None = None) -> T:
 
 
 @save_inter_p.def_impl
-def _impl(*xs, meta, collect):
+def _impl(*xs, meta, collect, active):
     return xs
 
 
-@save_inter_p.def_abstract_eval
-def _abstract_eval(*avals, meta, collect):
-    return avals
+@save_inter_p.def_effectful_abstract_eval
+def _abstract_eval(*avals, meta, collect, active):
+    return avals, ({_compat.SAVE_EFFECT} if collect and active else set())
 
 
 _compat.register_lowering_identity(save_inter_p)
 
 
-def _jvp(primals, tangents, *, meta, collect):
+def _jvp(primals, tangents, **params):
     # Save the primal only; the tangents pass through untouched.
-    return save_inter_p.bind(*primals, meta=meta, collect=collect), list(tangents)
+    return save_inter_p.bind(*primals, **params), list(tangents)
 
 
 _compat.register_jvp_rule(save_inter_p, _jvp)
 
 
-def _transpose(cts, *args, meta, collect):
+def _transpose(cts, *args, **params):
     # Only reached when a tangent itself is marked (e.g. in a custom JVP rule): it is linear
     # and the identity, so cotangents pass through. Nothing is saved for them.
     return list(cts)
@@ -131,24 +133,23 @@ def _transpose(cts, *args, meta, collect):
 _compat.register_transpose_rule(save_inter_p, _transpose)
 
 
-def _batch(axis_size, vals, dims, *, meta, collect):
+def _batch(axis_size, vals, dims, **params):
     # The values handed on keep their batch axes, so marking changes nothing downstream. The
     # copy that is saved has the batch axis at 0; where only some leaves are batched, the others
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
     # unbatched (as `jacfwd`'s primal is).
     if all(d is None for d in dims):
-        save_inter_p.bind(*vals, meta=meta, collect=collect)
+        save_inter_p.bind(*vals, **params)
         return vals, dims
     moved = [
         jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
         for v, d in zip(vals, dims, strict=True)
     ]
-    save_inter_p.bind(*moved, meta=meta, collect=collect)
+    save_inter_p.bind(*moved, **params)
     return vals, dims
 
 
 _compat.register_batching_rule(save_inter_p, _batch)
-_compat.register_dce_rule(save_inter_p, keep=lambda eqn: eqn.params["collect"])
 _compat.register_remat_partial_eval_rule(
-    save_inter_p, recompute_params=lambda params: dict(params, collect=False)
+    save_inter_p, recompute_params=lambda params: dict(params, collect=False, active=False)
 )

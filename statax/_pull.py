@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 from jax.extend import core as jex
 
+from . import _compat
 from ._interpreter import pull_jaxpr
 from ._meta import StateMeta, Static
 
@@ -144,7 +145,8 @@ def _trace(call, leaves, treedef, traced) -> _Entry:
         return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
 
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
-    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+    with _compat.PULLING(True):
+        closed = jax.make_jaxpr(flat_fn)(*dynamic)
     out_def, out_static = out_info[0]
     new, metas = pull_jaxpr(closed)
     return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars))

@@ -59,9 +59,19 @@ def assert_tree_allclose(
             raise AssertionError(f"leaves differ: {a!r} vs {e!r}")
 
 
+def _other(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return ~x
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x + 1
+    return x * 0.5 + 0.25
+
+
 def _stack(args):
-    """A batch of two slightly different copies of `args`, for `vmap`."""
-    return jax.tree_util.tree_map(lambda x: jnp.stack([x, x * 0.5 + 0.25]), args)
+    """A batch of two different copies of `args`, for `vmap` (booleans flipped, integers
+    incremented, floats scaled and shifted)."""
+    return jax.tree_util.tree_map(lambda x: jnp.stack([x, _other(x)]), args)
 
 
 def check_pull(

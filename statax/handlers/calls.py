@@ -13,12 +13,12 @@ from .._interpreter import pull_jaxpr, pull_open_jaxpr, register_handler, with_e
 
 def _closed_call_handler(eqn):
     jaxpr, metas = pull_jaxpr(eqn.params["call_jaxpr"])
-    return with_extra_outputs(eqn, jaxpr.out_avals[len(eqn.outvars):], call_jaxpr=jaxpr), metas
+    return with_extra_outputs(eqn, jaxpr.out_avals[len(eqn.outvars) :], call_jaxpr=jaxpr), metas
 
 
 def _call_handler(eqn):
     jaxpr, metas = pull_open_jaxpr(eqn.params["call_jaxpr"])
-    new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars):]]
+    new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars) :]]
     return with_extra_outputs(eqn, new_avals, call_jaxpr=jaxpr), metas
 
 

@@ -1,8 +1,9 @@
 """Handler for `cond` (`lax.cond`, `lax.switch`).
 
 Reads `branches`. Each branch is pulled; the intermediates of all branches are matched by
-(name, occurrence within the branch) into *slots*, in order of first appearance (branch 0's
-first, then any new ones of branch 1, ...). Every branch returns every slot, zeros where it has
+(name, occurrence within the branch) into *slots*, in order of first appearance by branch
+index (branch 0's first, then any new ones of branch 1, ...; for `lax.cond`, branch 0 is
+`false_fun`). Every branch returns every slot, zeros where it has
 no such mark, so the cond returns the values of the branch that ran. A slot whose marks differ
 between branches in shape, dtype or pytree structure is an error naming both call sites: give
 them different names.
@@ -27,8 +28,9 @@ def _slots(pulled):
     slots, per_branch = {}, []
     for jaxpr, metas in pulled:
         counts, where = {}, {}
-        leaf_avals = split_leaves(jaxpr.out_avals[len(jaxpr.out_avals) - sum(
-            m.num_arrays for m in metas):], metas)
+        leaf_avals = split_leaves(
+            jaxpr.out_avals[len(jaxpr.out_avals) - sum(m.num_arrays for m in metas) :], metas
+        )
         for i, (meta, avals) in enumerate(zip(metas, leaf_avals, strict=True)):
             n = counts.get(meta.name, 0)
             counts[meta.name] = n + 1

@@ -26,7 +26,7 @@ def _exposer(primitive):
         outs = _compat.bind(primitive, args, dict(params, call_jaxpr=inert(call_jaxpr)))
         pulled, metas = pull_jaxpr(call_jaxpr)
         frozen = [jax.lax.stop_gradient(x) for x in args]
-        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(call_jaxpr.out_avals):]
+        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(call_jaxpr.out_avals) :]
         return outs, leaves, metas
 
     return exposer

@@ -38,8 +38,8 @@ register_exposer(scan_p, _scan_exposer)
 
 def _while_exposer(*args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     cond_consts = args[:cond_nconsts]
-    body_consts = args[cond_nconsts:cond_nconsts + body_nconsts]
-    init = args[cond_nconsts + body_nconsts:]
+    body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
+    init = args[cond_nconsts + body_nconsts :]
     cond_fn, cond_metas = pull_jaxpr(cond_jaxpr)
     body_fn, body_metas = pull_jaxpr(body_jaxpr)
     n = len(init)

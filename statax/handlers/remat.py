@@ -8,15 +8,14 @@ and makes the copy that the backward pass replays inert, so every value is colle
 
 from __future__ import annotations
 
-from jax.extend.core.primitives import remat_p
-
+from .._compat import REMAT_PRIMITIVE
 from .._interpreter import pull_open_jaxpr, register_handler, with_extra_outputs
 
 
 def _remat_handler(eqn):
     jaxpr, metas = pull_open_jaxpr(eqn.params["jaxpr"])
-    new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars):]]
+    new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars) :]]
     return with_extra_outputs(eqn, new_avals, jaxpr=jaxpr), metas
 
 
-register_handler(remat_p, _remat_handler)
+register_handler(REMAT_PRIMITIVE, _remat_handler)

@@ -21,11 +21,11 @@ def _linear_solve_exposer(*args, const_lengths, jaxprs, **params):
         *args, const_lengths=const_lengths, jaxprs=type(jaxprs)(*map(_inert, jaxprs)), **params
     )
     start = const_lengths.matvec + const_lengths.vecmat
-    solve_consts = args[start:start + const_lengths.solve]
-    b = args[sum(const_lengths):]
+    solve_consts = args[start : start + const_lengths.solve]
+    b = args[sum(const_lengths) :]
     pulled, metas = pull_jaxpr(jaxprs.solve)
     frozen = [jax.lax.stop_gradient(x) for x in (*solve_consts, *b)]
-    leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(jaxprs.solve.out_avals):]
+    leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(jaxprs.solve.out_avals) :]
     return outs, leaves, metas
 
 
