@@ -14,14 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import config as jax_config  # all supported versions
-from jax._src import core  # all supported versions
-from jax._src import effects as effects_lib  # all supported versions
-from jax._src import linear_util as lu  # all supported versions
-from jax._src import source_info_util  # all supported versions
-from jax._src.interpreters import ad, batching, mlir  # all supported versions
-from jax._src.interpreters import partial_eval as pe  # all supported versions
 from jax.extend import core as jex
+
+# Private modules, present in every supported version (0.8.0 -- 0.10.x).
+from jax._src import config as jax_config  # isort: skip
+from jax._src import core, source_info_util  # isort: skip
+from jax._src import effects as effects_lib  # isort: skip
+from jax._src import linear_util as lu  # isort: skip
+from jax._src.interpreters import ad, batching, mlir  # isort: skip
+from jax._src.interpreters import partial_eval as pe  # isort: skip
 
 __all__ = [
     "JIT_PRIMITIVE",
