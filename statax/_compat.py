@@ -35,6 +35,8 @@ __all__ = [
     "jaxprs_in_params",
     "bind",
     "register_batching_rule",
+    "shard_map_manual_axes",
+    "vary",
     "register_rebatching",
     "trace",
     "register_jvp_rule",
@@ -202,6 +204,25 @@ def register_rebatching(
 
     rule._statax_original = original
     batching.fancy_primitive_batchers[prim] = rule
+
+
+def shard_map_manual_axes(mesh, params: dict) -> frozenset:
+    """The mesh axes a `shard_map` equation makes manual (`manual_axes` in JAX 0.8,
+    `newly_manual_axes` later; all of the mesh's axes if neither is there)."""
+    for key in ("manual_axes", "newly_manual_axes"):
+        if key in params:
+            return frozenset(params[key])
+    return frozenset(mesh.axis_names)
+
+
+def vary(x, axes: tuple) -> Any:
+    """`x` marked as varying over the manual `axes` (a no-op for axes it already varies on)."""
+    missing = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", axes))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):  # JAX 0.9+
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # JAX 0.8
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

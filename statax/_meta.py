@@ -62,12 +62,17 @@ class StateMeta:
             else the non-array leaf itself (a string, `None`, a callable, ...), which is
             returned unchanged.
         location: `"file.py:line"` of the `save_inter` call, or `"<unknown>"`.
+        batch_ndim: how many leading axes of each array leaf were added by `vmap`s inside
+            the pulled function (outermost `vmap` first). Handlers that add an axis of their
+            own (as `shard_map` does) put it after these, so that `pull(vmap(f))` and
+            `vmap(pull(f))` agree.
     """
 
     name: str
     treedef: jax.tree_util.PyTreeDef
     static_leaves: tuple[Any, ...]
     location: str = "<unknown>"
+    batch_ndim: int = 0
 
     @property
     def num_arrays(self) -> int:

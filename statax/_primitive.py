@@ -15,6 +15,7 @@ that is saved). Two things keep a mark alive where JAX would otherwise lose or r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, TypeVar
@@ -145,7 +146,9 @@ def _batch(axis_size, vals, dims, **params):
         jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
         for v, d in zip(vals, dims, strict=True)
     ]
-    save_inter_p.bind(*moved, **params)
+    meta = params["meta"]
+    meta = dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1)
+    save_inter_p.bind(*moved, **dict(params, meta=meta))
     return vals, dims
 
 

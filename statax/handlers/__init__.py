@@ -10,4 +10,5 @@ from . import custom_derivatives as custom_derivatives
 from . import jit as jit
 from . import loops as loops
 from . import remat as remat
+from . import shard_map as shard_map
 from . import solves as solves
