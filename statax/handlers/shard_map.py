@@ -5,9 +5,9 @@ manual axes. The pulled body returns each intermediate with a new leading axis o
 varying over every manual mesh axis, and the shard_map returns it with the out spec
 `P(manual_axes)` on that axis: one global array of shape `(num_shards, *local_shape)`, its
 shards left where they are (nothing is gathered onto one device). Under `vmap` the batch axis
-comes first, `(batch, num_shards, *local_shape)`, as `vmap(pull(f))` gives. `num_shards` is the product
-of the sizes of the manual mesh axes (of all of them for a plain `jax.shard_map`), in mesh
-order.
+comes first, `(batch, num_shards, *local_shape)`, as `vmap(pull(f))` gives. `num_shards` is
+the product of the sizes of the manual mesh axes (of all of them for a plain `jax.shard_map`),
+in mesh order.
 """
 
 from __future__ import annotations
