@@ -34,6 +34,7 @@ __all__ = [
     "extend_debug_info",
     "jaxprs_in_params",
     "bind",
+    "equinox_noinline",
     "register_batching_rule",
     "shard_map_manual_axes",
     "vary",
@@ -223,6 +224,39 @@ def vary(x, axes: tuple) -> Any:
     if hasattr(jax.lax, "pcast"):  # JAX 0.9+
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)  # JAX 0.8
+
+
+def equinox_noinline():
+    """`(noinline_p, fn_of(eqn))` for `eqx.internal.noinline`: `fn_of(eqn)` rebuilds the
+    Python function a `noinline` equation calls, as `f(*dynamic_inputs) -> flat outputs`, or
+    gives `None` where the call is a JVP or transpose of another (whose marks count there).
+    Written against equinox 0.13 (`equinox.internal._noinline`, `_primitive`)."""
+    from equinox.internal import _noinline, _primitive
+
+    def fn_of(eqn):
+        index = eqn.invars[0]
+        if not isinstance(index, jex.Literal):
+            return None  # a batched index: several functions, none of them known here
+        static, treedef = eqn.params["static"], eqn.params["treedef"]
+        transforms = jax.tree_util.tree_unflatten(treedef, static)[2]
+        if any(
+            t is _noinline._jvp_transform or isinstance(t, _noinline._MetaTransposeTransform)
+            for t in transforms
+        ):
+            return None  # a derivative's call: its marks are the primal call's, seen there
+
+        def call(*dynamic):
+            it = iter(dynamic)
+            flat = [next(it) if x is _primitive._missing_dynamic else x for x in static]
+            _, _, transforms, args = jax.tree_util.tree_unflatten(treedef, flat)
+            fn = _noinline._index_to_fn[int(index.val)]
+            for transform in transforms:
+                fn = transform(fn)
+            return jax.tree_util.tree_leaves(fn(args))
+
+        return call
+
+    return _noinline.noinline_p, fn_of
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

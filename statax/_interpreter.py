@@ -49,7 +49,15 @@ Handler: TypeAlias = Callable[[jex.JaxprEqn], tuple[jex.JaxprEqn, tuple[StateMet
 _HANDLERS: dict[jex.Primitive, Handler] = {}
 
 
-def register_handler(primitive: jex.Primitive, handler: Handler | None = None):
+_FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
+
+
+def register_handler(
+    primitive: jex.Primitive,
+    handler: Handler | None = None,
+    *,
+    find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
+):
     """Teach `pull` to see inside a higher-order primitive.
 
     A handler takes an equation of `primitive` and returns `(new_eqn, metas)`: `new_eqn`
@@ -63,6 +71,10 @@ def register_handler(primitive: jex.Primitive, handler: Handler | None = None):
     Args:
         primitive: the primitive, e.g. `jax.extend.core.primitives.cond_p`.
         handler: the handler; if omitted, `register_handler` returns a decorator.
+        find_saves: for a primitive whose inner functions are not jaxprs in its params
+            (so `pull` cannot look for marks in them): `find_saves(eqn)` returns the metas
+            of the marks the equation holds. By default `pull` looks in the jaxprs of
+            `eqn.params`.
 
     Returns:
         The handler (or the decorator).
@@ -77,6 +89,9 @@ def register_handler(primitive: jex.Primitive, handler: Handler | None = None):
         if not callable(h):
             raise TypeError(f"a handler must be callable, got {h!r}")
         _HANDLERS[primitive] = h
+        if find_saves is not None:
+            _FINDERS[primitive] = find_saves
+        _SAVES.clear()
         _PULLED.clear()
         _PULLED_OPEN.clear()
         return h
@@ -106,11 +121,13 @@ def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
             if eqn.params["collect"]:
                 yield eqn.params["meta"]
         else:
-            for sub in _compat.jaxprs_in_params(eqn.params):
-                yield from find_saves(sub)
+            yield from _eqn_saves(eqn)
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+    finder = _FINDERS.get(eqn.primitive)
+    if finder is not None:
+        return tuple(finder(eqn))
     return tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
 
 

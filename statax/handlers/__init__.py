@@ -7,6 +7,7 @@ with what it reads from the equation's params, how intermediates leave, and its 
 from . import calls as calls
 from . import cond as cond
 from . import custom_derivatives as custom_derivatives
+from . import equinox as equinox
 from . import jit as jit
 from . import loops as loops
 from . import remat as remat
