@@ -4,7 +4,7 @@ one to three values: `pull` against a hand-threaded reference that returns them 
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
@@ -54,6 +54,7 @@ def _valid(node):
     return all(_valid(c) for c in node[1:] if isinstance(c, tuple) and c and c[0] in KINDS)
 
 
+LEAF = ("leaf", (("a", "sin"), ("b", "double"), ("a", "tanh")))
 KINDS = {"leaf", "jit", "checkpoint", "vmap", "grad", "scan", "while", "cond"}
 
 
@@ -200,6 +201,11 @@ def named(names, values):
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 @given(programs.filter(_valid))
+@example(("vmap", ("cond", ("scan", ("jit", LEAF), 2), LEAF)))  # jit in scan in cond in vmap
+@example(("while", ("scan", LEAF, 2), 2))  # scan in while
+@example(("grad", ("scan", ("checkpoint", LEAF), 3)))  # scan over rematerialised layers
+@example(("vmap", ("while", ("cond", LEAF, ("vmap", LEAF)), 1)))
+@example(("checkpoint", ("grad", ("vmap", ("cond", LEAF, LEAF)))))
 def test_pull_matches_hand_threaded_reference(program):
     f, ref, names = build(program), reference(program), slots(program)
     try:
