@@ -12,8 +12,8 @@ from ._errors import HandlerError as HandlerError
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._interpreter import Handler as Handler
 from ._interpreter import find_saves as find_saves
-from ._interpreter import pull_jaxpr as pull_jaxpr
 from ._interpreter import handler_from_exposer as handler_from_exposer
+from ._interpreter import pull_jaxpr as pull_jaxpr
 from ._interpreter import register_exposer as register_exposer
 from ._interpreter import register_handler as register_handler
 from ._interpreter import with_extra_outputs as with_extra_outputs

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["ARRAY", "StateMeta"]
+__all__ = ["ARRAY", "StateMeta", "Static", "hashable"]
 
 
 class _ArraySlot:
@@ -41,6 +41,15 @@ class Static:
 
     def __repr__(self) -> str:
         return f"Static({self.value!r})"
+
+
+def hashable(leaf: Any) -> Any:
+    """`leaf`, or a `Static` holding it where it cannot be hashed."""
+    try:
+        hash(leaf)
+    except TypeError:
+        return Static(leaf)
+    return leaf
 
 
 def _unwrap(leaf: Any) -> Any:

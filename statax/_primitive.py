@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import equinox as eqx
 import jax
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from . import _compat
-from ._meta import ARRAY, StateMeta, Static
+from ._meta import ARRAY, StateMeta, hashable
 
 __all__ = ["save_inter", "save_inter_p"]
 
@@ -46,14 +46,6 @@ def _caller_location() -> str:
     if frame is None:
         return "<unknown>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-def _hashable(leaf: Any) -> Any:
-    try:
-        hash(leaf)
-    except TypeError:
-        return Static(leaf)
-    return leaf
 
 
 def save_inter(value: T, name: str | None = None) -> T:
@@ -90,7 +82,7 @@ def save_inter(value: T, name: str | None = None) -> T:
     leaves, treedef = jax.tree_util.tree_flatten(value)
     is_array = [eqx.is_array(leaf) for leaf in leaves]
     static = tuple(
-        ARRAY if a else _hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True)
+        ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True)
     )
     meta = StateMeta(name, treedef, static, _caller_location())
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]

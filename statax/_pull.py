@@ -15,7 +15,7 @@ from jax.extend import core as jex
 
 from . import _compat
 from ._interpreter import pull_jaxpr
-from ._meta import StateMeta, Static
+from ._meta import StateMeta, hashable
 
 __all__ = ["pull"]
 
@@ -56,14 +56,6 @@ def _call_tree(tree, *args, **kwargs):
     return tree(*args, **kwargs)
 
 
-def _hashable(leaf: Any) -> Any:
-    try:
-        hash(leaf)
-    except TypeError:
-        return Static(leaf)
-    return leaf
-
-
 class _Pulled(eqx.Module):
     fn: Callable
 
@@ -74,7 +66,7 @@ class _Pulled(eqx.Module):
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
         key = (
             treedef,
-            tuple(None if t else _hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
+            tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
             tuple(map(jax.typeof, dynamic)),
         )
         entry = _lookup(root, key)
