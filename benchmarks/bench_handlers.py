@@ -84,8 +84,10 @@ def block_all(tree):
 def transformer():
     params = init(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, DIM))
-    print(f"Transformer-like stack: {BLOCKS} blocks, batch {BATCH}, seq {SEQ}, width {DIM}, "
-          f"MLP {HIDDEN}; attention output and MLP hidden of every block saved")
+    print(
+        f"Transformer-like stack: {BLOCKS} blocks, batch {BATCH}, seq {SEQ}, width {DIM}, "
+        f"MLP {HIDDEN}; attention output and MLP hidden of every block saved"
+    )
     for remat in (False, True):
         for mode in ("forward", "value_and_grad"):
             fwd_m, fwd_h = make(remat, True), make(remat, False)
@@ -97,13 +99,21 @@ def transformer():
             _, inters = pulled(params, x)
             assert inters["attn_0"].shape == (BLOCKS, BATCH, SEQ, DIM)
             label = f"{mode}{' + checkpoint' if remat else ''}"
-            report(f"runtime  jit(pull(f)) / by hand, {label}", "<= 1.05",
-                   *interleaved_ratio(lambda: block_all(pulled(params, x)),
-                                      lambda: block_all(hand(params, x)), repeats=9))
+            report(
+                f"runtime  jit(pull(f)) / by hand, {label}",
+                "<= 1.05",
+                *interleaved_ratio(
+                    lambda: block_all(pulled(params, x)),
+                    lambda: block_all(hand(params, x)),
+                    repeats=9,
+                ),
+            )
             mem_p = pulled.lower(params, x).compile().memory_analysis().temp_size_in_bytes
             mem_h = hand.lower(params, x).compile().memory_analysis().temp_size_in_bytes
-            print(f"{'temp mem ' + label:<58} {mem_p / 2**20:8.2f} MiB vs {mem_h / 2**20:8.2f} "
-                  f"MiB (goal: equal)  ratio {mem_p / mem_h:.3f}")
+            print(
+                f"{'temp mem ' + label:<58} {mem_p / 2**20:8.2f} MiB vs {mem_h / 2**20:8.2f} "
+                f"MiB (goal: equal)  ratio {mem_p / mem_h:.3f}"
+            )
 
 
 def chain(n_eqns):
@@ -129,9 +139,12 @@ def scaling():
         done = time.perf_counter()
         count = len(closed.jaxpr.eqns)
         per_eqn[n] = (done - start) / count
-        print(f"  {count:>6} equations, {len(metas):>5} marks: make_jaxpr {traced - start:6.2f} s, "
-              f"pull_jaxpr {done - traced:6.3f} s, total {per_eqn[n] * 1e6:6.1f} us/equation")
-    print(f"  largest / smallest time per equation: {max(per_eqn.values()) / min(per_eqn.values()):.2f}")
+        print(
+            f"  {count:>6} equations, {len(metas):>5} marks: make_jaxpr {traced - start:6.2f} s, "
+            f"pull_jaxpr {done - traced:6.3f} s, total {per_eqn[n] * 1e6:6.1f} us/equation"
+        )
+    spread = max(per_eqn.values()) / min(per_eqn.values())
+    print(f"  largest / smallest time per equation: {spread:.2f}")
 
 
 if __name__ == "__main__":

@@ -81,9 +81,7 @@ def save_inter(value: T, name: str | None = None) -> T:
         )
     leaves, treedef = jax.tree_util.tree_flatten(value)
     is_array = [eqx.is_array(leaf) for leaf in leaves]
-    static = tuple(
-        ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True)
-    )
+    static = tuple(ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True))
     meta = StateMeta(name, treedef, static, _caller_location())
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
     active = bool(_compat.PULLING.value)
