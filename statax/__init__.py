@@ -9,6 +9,8 @@ import importlib.metadata
 from . import handlers as handlers  # registers the built-in handlers
 from ._errors import BranchMismatchError as BranchMismatchError
 from ._errors import HandlerError as HandlerError
+from ._errors import KeyCollisionError as KeyCollisionError
+from ._errors import ReduceMismatchError as ReduceMismatchError
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._interpreter import Handler as Handler
 from ._interpreter import find_saves as find_saves
@@ -22,6 +24,7 @@ from ._meta import StateMeta as StateMeta
 from ._primitive import save_inter as save_inter
 from ._primitive import save_inter_p as save_inter_p
 from ._pull import pull as pull
+from ._scope import scope as scope
 
 try:
     __version__ = importlib.metadata.version("statax")
@@ -33,6 +36,8 @@ __all__ = [
     "BranchMismatchError",
     "Handler",
     "HandlerError",
+    "KeyCollisionError",
+    "ReduceMismatchError",
     "StateMeta",
     "UnhandledPrimitiveError",
     "find_saves",
@@ -42,6 +47,7 @@ __all__ = [
     "register_exposer",
     "register_handler",
     "save_inter",
+    "scope",
     "save_inter_p",
     "with_extra_outputs",
 ]

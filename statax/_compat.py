@@ -30,6 +30,7 @@ __all__ = [
     "REMAT_PRIMITIVE",
     "SHARD_MAP_PRIMITIVE",
     "SAVE_EFFECT",
+    "SCOPE",
     "UNSPECIFIED_SHARDING",
     "extend_debug_info",
     "jaxprs_in_params",
@@ -86,6 +87,14 @@ PULLING = jax_config.bool_state(
     include_in_trace_context=True,
 )
 
+# The prefix of `statax.scope`s in force ("encoder/attn/"), also part of the trace context, so
+# that a function `jax.jit` traced in one scope is traced again in another.
+SCOPE = jax_config.string_or_object_state(
+    "statax_scope",
+    "",
+    "Internal to statax: the prefix of the statax.scope in force.",
+    include_in_trace_context=True,
+)
 
 # `jit_p` (named "jit") since JAX 0.7; `pjit_p` before.
 JIT_PRIMITIVE: jex.Primitive = getattr(jex.primitives, "jit_p", None) or jex.primitives.pjit_p

@@ -6,7 +6,13 @@ from collections.abc import Sequence
 
 from ._meta import StateMeta
 
-__all__ = ["BranchMismatchError", "HandlerError", "UnhandledPrimitiveError"]
+__all__ = [
+    "BranchMismatchError",
+    "HandlerError",
+    "KeyCollisionError",
+    "ReduceMismatchError",
+    "UnhandledPrimitiveError",
+]
 
 
 def _where(metas: Sequence[StateMeta]) -> str:
@@ -56,4 +62,30 @@ class BranchMismatchError(TypeError):
             f"{meta_b.location}. statax returns one value per name and occurrence from "
             "whichever branch ran, so they must match. To fix: give the two save_inter calls "
             "different names."
+        )
+
+
+class ReduceMismatchError(ValueError):
+    """Two `save_inter`s of one name that cannot combine into one entry."""
+
+    def __init__(self, first: StateMeta, other: StateMeta, what: str):
+        self.metas = (first, other)
+        super().__init__(
+            f"save_inter calls named {first.name!r} differ in their {what}: "
+            f"reduce={first.reduce!r} at {first.location}, reduce={other.reduce!r} at "
+            f"{other.location}. Occurrences of one name combine into one entry, so they must "
+            "agree. To fix: use the same reduce mode and values of the same kind, or give the "
+            "calls different names."
+        )
+
+
+class KeyCollisionError(ValueError):
+    """A reduced name equals the key of another name's occurrence (`"y_0"` beside `"y"`)."""
+
+    def __init__(self, key: str, first: StateMeta, other: StateMeta):
+        super().__init__(
+            f"Two intermediates would both be keyed {key!r}: {first.name!r} "
+            f"(reduce={first.reduce!r}) at {first.location} and {other.name!r} "
+            f"(reduce={other.reduce!r}) at {other.location}. A reduced name is keyed by the "
+            "name itself, an unreduced one by name_n. To fix: rename one of them."
         )

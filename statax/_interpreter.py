@@ -17,13 +17,15 @@ inputs, appended after the original ones); `pull` itself only adds outputs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 
 from jax.extend import core as jex
 
-from . import _compat
+from . import _compat, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
 from ._primitive import save_inter_p
@@ -101,24 +103,54 @@ def register_handler(
 
 # ---- finding marks -------------------------------------------------------------------------
 
-_SAVES: weakref.WeakKeyDictionary[jex.Jaxpr, tuple[StateMeta, ...]] = weakref.WeakKeyDictionary()
+# The selection of the `pull` rewriting now (`pull(fn, only=...)`): a predicate on StateMeta,
+# or None for every mark. Caches below are kept per selection.
+_SELECTION: contextvars.ContextVar[Callable[[StateMeta], bool] | None] = contextvars.ContextVar(
+    "statax_selection", default=None
+)
+
+
+@contextlib.contextmanager
+def selecting(selection: Callable[[StateMeta], bool] | None):
+    """Within, `pull_jaxpr` collects only the marks whose meta `selection` accepts; the others
+    are left as identities (and their work, if nothing else needs it, compiles away)."""
+    token = _SELECTION.set(selection)
+    try:
+        yield
+    finally:
+        _SELECTION.reset(token)
+
+
+def _selected(meta: StateMeta) -> bool:
+    selection = _SELECTION.get()
+    return selection is None or bool(selection(meta))
+
+
+def _cached(store: weakref.WeakKeyDictionary, key, compute):
+    per_selection = store.get(key)
+    if per_selection is None:
+        per_selection = store[key] = {}
+    selection = _SELECTION.get()
+    if selection not in per_selection:
+        per_selection[selection] = compute()
+    return per_selection[selection]
+
+
+_SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
-    """The `StateMeta` of every collecting `save_inter` in `jaxpr`, at any depth, in order."""
+    """The `StateMeta` of every collecting `save_inter` in `jaxpr`, at any depth, in order
+    (those of the current selection only, inside a `pull(fn, only=...)`)."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    found = _SAVES.get(jaxpr)
-    if found is None:
-        found = tuple(_iter_saves(jaxpr))
-        _SAVES[jaxpr] = found
-    return found
+    return _cached(_SAVES, jaxpr, lambda: tuple(_iter_saves(jaxpr)))
 
 
 def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
-            if eqn.params["collect"]:
+            if eqn.params["collect"] and _selected(eqn.params["meta"]):
                 yield eqn.params["meta"]
         else:
             yield from _eqn_saves(eqn)
@@ -152,22 +184,40 @@ def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, tuple[St
     Raises:
         UnhandledPrimitiveError: a higher-order primitive without a handler holds a mark.
     """
-    cached = _PULLED.get(closed_jaxpr)
-    if cached is None:
-        jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
-        new = closed_jaxpr
-        if jaxpr is not closed_jaxpr.jaxpr:
-            new = jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
-        cached = _PULLED[closed_jaxpr] = (new, metas)
-    return cached
+    return _cached(_PULLED, closed_jaxpr, lambda: _pull_closed(closed_jaxpr))
+
+
+def _pull_closed(closed_jaxpr):
+    jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
+    if jaxpr is closed_jaxpr.jaxpr:
+        return closed_jaxpr, metas
+    new = jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
+    if any(m.reduce is not None for m in metas):
+        new, metas = _merge_reduced(new, metas)
+    return new, metas
+
+
+def _merge_reduced(closed, metas):
+    """Fold the occurrences of each reduced name into one accumulator (see `_reduce`)."""
+    num_out = len(closed.out_avals) - sum(m.num_arrays for m in metas)
+    merged: list = []
+
+    def run(*args):
+        flat = jex.jaxpr_as_fun(closed)(*args)
+        new_metas, leaves = _reduce.merge(metas, flat[num_out:])
+        merged.append(new_metas)
+        return [*flat[:num_out], *leaves]
+
+    return _compat.trace(run, closed.in_avals, name="reduce"), merged[0]
 
 
 def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
-    """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params)."""
-    cached = _PULLED_OPEN.get(jaxpr)
-    if cached is None:
-        cached = _PULLED_OPEN[jaxpr] = _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ())
-    return cached
+    """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params).
+
+    Occurrences of reduced names are not folded here but by the enclosing `pull_jaxpr`."""
+    return _cached(
+        _PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ())
+    )
 
 
 def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
@@ -185,7 +235,7 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
         if eqn.primitive is save_inter_p:
             for out, x in zip(eqn.outvars, eqn.invars, strict=True):
                 forwarded[out] = x
-            if eqn.params["collect"]:
+            if eqn.params["collect"] and _selected(eqn.params["meta"]):
                 extra.extend(eqn.invars)
                 metas.append(eqn.params["meta"])
             continue
@@ -294,8 +344,13 @@ def inert(jaxpr):
     if isinstance(jaxpr, jex.ClosedJaxpr):
         new = inert(jaxpr.jaxpr)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
-    if not find_saves(jaxpr):
-        return jaxpr
+    with selecting(None):  # every mark, selected or not
+        if not find_saves(jaxpr):
+            return jaxpr
+        return _inert(jaxpr)
+
+
+def _inert(jaxpr):
     cached = _INERT.get(jaxpr)
     if cached is None:
         eqns = []

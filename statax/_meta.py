@@ -75,6 +75,12 @@ class StateMeta:
             the pulled function (outermost `vmap` first). Handlers that add an axis of their
             own (as `shard_map` does) put it after these, so that `pull(vmap(f))` and
             `vmap(pull(f))` agree.
+        reduce: how the occurrences of `name` combine (`save_inter`'s `reduce`), or `None`
+            to keep them apart as `name_0`, `name_1`, ...
+        accumulator: whether the leaves are a running combination of occurrences (for the
+            elementwise modes, each array leaf followed by a count of the same shape; for
+            `"stack"` and `"collect"`, leaves with an occurrence axis after the batch axes)
+            rather than one occurrence's values.
     """
 
     name: str
@@ -82,11 +88,19 @@ class StateMeta:
     static_leaves: tuple[Any, ...]
     location: str = "<unknown>"
     batch_ndim: int = 0
+    reduce: str | None = None
+    accumulator: bool = False
+
+    @property
+    def num_values(self) -> int:
+        """How many array leaves the saved value has."""
+        return sum(leaf is ARRAY for leaf in self.static_leaves)
 
     @property
     def num_arrays(self) -> int:
-        """How many flat array leaves carry this intermediate."""
-        return sum(leaf is ARRAY for leaf in self.static_leaves)
+        """How many flat array leaves carry this intermediate (counts included)."""
+        counted = self.accumulator and self.reduce not in (None, "stack", "collect")
+        return 2 * self.num_values if counted else self.num_values
 
     def unflatten(self, arrays: Sequence[Any]) -> Any:
         """Rebuild the saved pytree from its array leaves."""

@@ -28,6 +28,8 @@ from jax.extend import core as jex
 from . import _compat
 from ._meta import ARRAY, StateMeta, hashable
 
+MODES = ("stack", "mean", "sum", "min", "max", "first", "last", "collect")
+
 __all__ = ["save_inter", "save_inter_p"]
 
 T = TypeVar("T")
@@ -48,21 +50,29 @@ def _caller_location() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def save_inter(value: T, name: str | None = None) -> T:
+def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) -> T:
     """Mark `value` so that `statax.pull` returns it; the identity otherwise.
 
     Args:
         value: any pytree. Its array leaves (JAX and NumPy arrays, tracers) are saved; its
             other leaves (strings, `None`, callables, Python numbers, static fields of an
             `eqx.Module`) are returned unchanged, by `save_inter` and by `pull`.
-        name: the name of the intermediate, `"state"` if not given. `pull` keys each
-            occurrence `f"{name}_{n}"`, `n` counting from 0 in program order.
+        name: the name of the intermediate, `"state"` if not given, prefixed by the enclosing
+            `statax.scope`s (`"encoder/attn"`). `pull` keys each occurrence
+            `f"{name}_{n}"`, `n` counting from 0 in program order.
+        reduce: combine every occurrence of `name` (call sites, loop iterations, branches)
+            into one entry keyed `name`: `"stack"` (along a new leading axis), `"mean"`,
+            `"sum"`, `"min"`, `"max"` (elementwise), `"first"`, `"last"`, or `"collect"`
+            (ravel and concatenate). In a `scan` or `while_loop` the elementwise modes keep a
+            running value and store nothing per iteration. All occurrences of a name must use
+            the same mode.
 
     Returns:
         `value`, unchanged.
 
     Raises:
         TypeError: if `name` is not a string.
+        ValueError: if `reduce` is not one of the modes above.
 
     Example:
         >>> import jax.numpy as jnp, statax as stx
@@ -79,10 +89,16 @@ def save_inter(value: T, name: str | None = None) -> T:
             f"save_inter(value, name=...) needs a string name, got {name!r} of type "
             f'{type(name).__name__} at {_caller_location()}. Pass e.g. name="activation".'
         )
+    if reduce is not None and reduce not in MODES:
+        raise ValueError(
+            f"save_inter(..., reduce={reduce!r}) at {_caller_location()}: reduce must be one of "
+            f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
+        )
+    name = _compat.SCOPE.value + name
     leaves, treedef = jax.tree_util.tree_flatten(value)
     is_array = [eqx.is_array(leaf) for leaf in leaves]
     static = tuple(ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True))
-    meta = StateMeta(name, treedef, static, _caller_location())
+    meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
     active = bool(_compat.PULLING.value)
     outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=True, active=active))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import re
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -14,7 +16,9 @@ import jax
 from jax.extend import core as jex
 
 from . import _compat
-from ._interpreter import pull_jaxpr
+from . import _reduce
+from ._errors import KeyCollisionError
+from ._interpreter import pull_jaxpr, selecting
 from ._meta import StateMeta, hashable
 
 __all__ = ["pull"]
@@ -58,20 +62,25 @@ def _call_tree(tree, *args, **kwargs):
 
 class _Pulled(eqx.Module):
     fn: Callable
+    only: Any = eqx.field(static=True)
+    enabled: bool = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
+        if not self.enabled:
+            return self.fn(*args, **kwargs), {}
         root, tree, call = _split_callable(self.fn)
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
         traced = _traced_mask(leaves, treedef)
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
         key = (
+            self.only,
             treedef,
             tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
             tuple(map(jax.typeof, dynamic)),
         )
         entry = _lookup(root, key)
         if entry is None:
-            entry = _trace(call, leaves, treedef, traced)
+            entry = _trace(call, leaves, treedef, traced, self.only)
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
         flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
@@ -122,7 +131,7 @@ def _store(root, key, entry: _Entry) -> None:
         entries.popitem(last=False)
 
 
-def _trace(call, leaves, treedef, traced) -> _Entry:
+def _trace(call, leaves, treedef, traced, only) -> _Entry:
     out_info = []
 
     def flat_fn(*dynamic):
@@ -140,7 +149,8 @@ def _trace(call, leaves, treedef, traced) -> _Entry:
     with _compat.PULLING(True):
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
     out_def, out_static = out_info[0]
-    new, metas = pull_jaxpr(closed)
+    with selecting(only):
+        new, metas = pull_jaxpr(closed)
     return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars))
 
 
@@ -151,20 +161,31 @@ def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
 
 
 def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
-    """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order."""
+    """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
+    reduced name is one entry, keyed by the name itself."""
     counts: dict[str, int] = {}
     inters: dict[str, Any] = {}
+    sites: dict[str, StateMeta] = {}
     start = 0
     for meta in metas:
-        n = counts.get(meta.name, 0)
-        counts[meta.name] = n + 1
         stop = start + meta.num_arrays
-        inters[f"{meta.name}_{n}"] = meta.unflatten(flat[start:stop])
+        leaves = flat[start:stop]
         start = stop
+        if meta.reduce is None:
+            n = counts.get(meta.name, 0)
+            counts[meta.name] = n + 1
+            key = f"{meta.name}_{n}"
+        else:
+            key = meta.name
+            leaves = _reduce.finalize(meta, leaves)
+        if key in sites:
+            raise KeyCollisionError(key, sites[key], meta)
+        sites[key] = meta
+        inters[key] = meta.unflatten(leaves)
     return inters
 
 
-def pull(fn: Callable) -> Callable:
+def pull(fn: Callable, *, only: Any = None, enabled: bool = True) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
     Args:
@@ -174,6 +195,13 @@ def pull(fn: Callable) -> Callable:
             Python float or complex passed directly as an argument is traced, weakly typed, as
             `jax.jit` traces it (so `pull(f)(1.0)` does not retrace for `2.0`). Python ints
             and bools stay static.
+        only: collect only some marks: a name or a collection of names (exact, scopes
+            included), a compiled regular expression (`re.compile("encoder/.*")`, matched
+            against the whole name), or a predicate on `StateMeta`. The others stay plain
+            identities, and work that only they needed disappears from the compiled program.
+        enabled: `False` turns `pull` off: the function runs as it is and returns
+            `(out, {})`, compiling to exactly the unmarked program. Pass it as a static
+            argument to switch collection per call under `jit`.
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
@@ -192,4 +220,42 @@ def pull(fn: Callable) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Pulled(fn)
+    return _Pulled(fn, _selection(only), bool(enabled))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    names: frozenset
+
+    def __call__(self, meta: StateMeta) -> bool:
+        return meta.name in self.names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pattern:
+    pattern: re.Pattern
+
+    def __call__(self, meta: StateMeta) -> bool:
+        return self.pattern.fullmatch(meta.name) is not None
+
+
+def _selection(only: Any) -> Callable[[StateMeta], bool] | None:
+    """`only` as a hashable predicate on StateMeta (None: everything)."""
+    if only is None:
+        return None
+    if isinstance(only, str):
+        return _Names(frozenset([only]))
+    if isinstance(only, re.Pattern):
+        return _Pattern(only)
+    if callable(only):
+        return only
+    try:
+        names = frozenset(only)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"stx.pull(fn, only=...) takes a name, a collection of names, a compiled regular "
+            f"expression or a predicate on StateMeta; got {only!r}."
+        )
+    return _Names(names)
