@@ -78,6 +78,19 @@ class ReduceMismatchError(ValueError):
             "calls different names."
         )
 
+    @classmethod
+    def in_while_loop(cls, meta: StateMeta) -> ReduceMismatchError:
+        error = cls.__new__(cls)
+        error.metas = (meta,)
+        ValueError.__init__(
+            error,
+            f"save_inter {meta.name!r} at {meta.location} has reduce={meta.reduce!r} inside a "
+            "while_loop, whose number of iterations is not known when it is compiled, so its "
+            "occurrences cannot be stacked. To fix: use reduce='last', 'mean', 'sum', 'min', "
+            "'max' or 'first', or a scan (or fori_loop with static bounds).",
+        )
+        return error
+
 
 class KeyCollisionError(ValueError):
     """A reduced name equals the key of another name's occurrence (`"y_0"` beside `"y"`)."""

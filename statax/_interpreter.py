@@ -215,9 +215,7 @@ def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]
     """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params).
 
     Occurrences of reduced names are not folded here but by the enclosing `pull_jaxpr`."""
-    return _cached(
-        _PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ())
-    )
+    return _cached(_PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ()))
 
 
 def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:

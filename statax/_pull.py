@@ -15,8 +15,7 @@ import equinox as eqx
 import jax
 from jax.extend import core as jex
 
-from . import _compat
-from . import _reduce
+from . import _compat, _reduce
 from ._errors import KeyCollisionError
 from ._interpreter import pull_jaxpr, selecting
 from ._meta import StateMeta, hashable

@@ -25,7 +25,17 @@ from ._errors import ReduceMismatchError
 from ._meta import StateMeta
 from ._primitive import MODES
 
-__all__ = ["ELEMENTWISE", "MODES", "combine", "finalize", "identity", "merge", "to_accumulator"]
+__all__ = [
+    "ELEMENTWISE",
+    "MODES",
+    "combine",
+    "finalize",
+    "fold_axis",
+    "identity",
+    "merge",
+    "running",
+    "to_accumulator",
+]
 
 ELEMENTWISE = ("mean", "sum", "min", "max", "first", "last")
 
@@ -89,6 +99,28 @@ def _lead(x, bx, y, by):
     )
 
 
+def running(meta: StateMeta) -> bool:
+    """Whether a loop keeps this intermediate as a running value in its carry."""
+    return meta.accumulator and meta.reduce in ELEMENTWISE
+
+
+def fold_axis(meta: StateMeta, leaves: Sequence, axis: int) -> list:
+    """An accumulator with an extra axis at `axis` (one accumulator per index, in order: a
+    scan's iterations, a shard_map's shards) folded into one."""
+    if meta.reduce in ("stack", "collect"):  # merge it into the occurrence axis after it
+        return [
+            jnp.reshape(
+                x, (*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+            )
+            for x in leaves
+        ]
+    size = jnp.shape(leaves[0])[axis]
+    acc = [jnp.take(x, 0, axis=axis) for x in leaves]
+    for i in range(1, size):
+        acc = combine(meta, acc, meta, [jnp.take(x, i, axis=axis) for x in leaves])
+    return acc
+
+
 def finalize(meta: StateMeta, leaves: Sequence) -> list:
     """The values `pull` returns for an accumulator."""
     if meta.reduce in ("stack", "collect"):
@@ -113,7 +145,7 @@ def merge(metas: Sequence[StateMeta], leaves: Sequence) -> tuple[tuple[StateMeta
     """
     start, chunks = 0, []
     for meta in metas:
-        chunks.append((meta, list(leaves[start:start + meta.num_arrays])))
+        chunks.append((meta, list(leaves[start : start + meta.num_arrays])))
         start += meta.num_arrays
     modes: dict[str, StateMeta] = {}
     out: list[list] = []  # [meta, leaves] in order of first appearance
@@ -148,7 +180,10 @@ def _compatible(meta_a, a, meta_b, b) -> bool:
         skip_a, skip_b = meta_a.batch_ndim + 1, meta_b.batch_ndim + 1
     else:
         skip_a, skip_b = meta_a.batch_ndim, meta_b.batch_ndim
-    return all(
-        jnp.shape(x)[skip_a:] == jnp.shape(y)[skip_b:] and x.dtype == y.dtype
-        for x, y in zip(a, b, strict=True)
-    ) or meta_a.reduce == "collect"
+    return (
+        all(
+            jnp.shape(x)[skip_a:] == jnp.shape(y)[skip_b:] and x.dtype == y.dtype
+            for x, y in zip(a, b, strict=True)
+        )
+        or meta_a.reduce == "collect"
+    )

@@ -34,7 +34,8 @@ def _slots(pulled):
         for i, (meta, avals) in enumerate(zip(metas, leaf_avals, strict=True)):
             n = counts.get(meta.name, 0)
             counts[meta.name] = n + 1
-            key = (meta.name, n)
+            # A reduced name has one accumulator per branch, zeros (no occurrence) if absent.
+            key = (meta.name, n if meta.reduce is None else "reduced")
             where[key] = i
             if key not in slots:
                 slots[key] = (meta, tuple(avals))

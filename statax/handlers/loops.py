@@ -11,6 +11,11 @@ iteration, so zeros if the body never ran) and those of `cond_fun`'s (its last e
 the one that ended the loop). The predicate is computed once per iteration, at the end of the
 body, and the new `cond_fun` only reads it.
 
+Names saved with `reduce=` combine over iterations instead: a `scan` or `while` carries the
+running value of the elementwise modes (no per-iteration storage), a `scan` stacks `"stack"`
+and `"collect"` occurrences (in the order of its `ys`), and a `while` refuses those two (its
+number of iterations is not known when it is compiled).
+
 Under `vmap`, both leave the loop before JAX batches it and are marked again outside: a scan's
 intermediates come back with the batch axis first, then the scan axis; a while loop's with each
 example's own last iteration.
@@ -23,14 +28,69 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
-from .._interpreter import pull_jaxpr, register_exposer
+from .. import _reduce
+from .._errors import ReduceMismatchError
+from .._interpreter import pull_jaxpr, register_exposer, split_leaves
 
 
-def _scan_exposer(*args, jaxpr, **params):
+def _scan_exposer(*args, jaxpr, num_consts, num_carry, length, reverse, unroll, **params):
     body, metas = pull_jaxpr(jaxpr)
-    flat = scan_p.bind(*args, jaxpr=body, **params)
     num_out = len(jaxpr.out_avals)
-    return flat[:num_out], flat[num_out:], metas
+    if not any(_reduce.running(m) for m in metas):
+        flat = scan_p.bind(
+            *args,
+            jaxpr=body,
+            num_consts=num_consts,
+            num_carry=num_carry,
+            length=length,
+            reverse=reverse,
+            unroll=unroll,
+            **params,
+        )
+        stacked = split_leaves(flat[num_out:], metas)
+        return flat[:num_out], _unstack_reduced(metas, stacked), metas
+
+    # Reduced intermediates are running values in the carry; the others are stacked.
+    consts, init, xs = (
+        args[:num_consts],
+        args[num_consts : num_consts + num_carry],
+        args[num_consts + num_carry :],
+    )
+    avals = split_leaves(body.out_avals[num_out:], metas)
+    acc0 = [_reduce.identity(m, a) for m, a in zip(metas, avals, strict=True) if _reduce.running(m)]
+
+    def step(state, x):
+        carry, accs = state
+        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x)
+        accs, new_accs, stacked = iter(accs), [], []
+        for meta, part in zip(metas, split_leaves(flat[num_out:], metas), strict=True):
+            if _reduce.running(meta):
+                new_accs.append(_reduce.combine(meta, next(accs), meta, part))
+            else:
+                stacked.append(part)
+        return (flat[:num_carry], new_accs), (flat[num_carry:num_out], stacked)
+
+    (carry, accs), (ys, stacked) = jax.lax.scan(
+        step, (list(init), acc0), list(xs), length=length, reverse=reverse, unroll=unroll
+    )
+    accs, stacked = (
+        iter(accs),
+        iter(_unstack_reduced([m for m in metas if not _reduce.running(m)], stacked, flat=False)),
+    )
+    leaves = [x for m in metas for x in (next(accs) if _reduce.running(m) else next(stacked))]
+    return [*carry, *ys], leaves, metas
+
+
+def _unstack_reduced(metas, stacked, flat=True):
+    """Per-iteration "stack"/"collect" accumulators, stacked by the scan on axis 0, folded into
+    one (the iterations' occurrences after the batch axes); other values stay stacked."""
+    out = []
+    for meta, part in zip(metas, stacked, strict=True):
+        if meta.accumulator and meta.reduce is not None:
+            b = meta.batch_ndim
+            part = _reduce.fold_axis(meta, [jnp.moveaxis(x, 0, b) for x in part], b)
+        out.append(list(part))
+    return [x for part in out for x in part] if flat else out
 
 
 register_exposer(scan_p, _scan_exposer)
@@ -42,18 +102,30 @@ def _while_exposer(*args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     init = args[cond_nconsts + body_nconsts :]
     cond_fn, cond_metas = pull_jaxpr(cond_jaxpr)
     body_fn, body_metas = pull_jaxpr(body_jaxpr)
+    for meta in (*cond_metas, *body_metas):
+        if meta.reduce in ("stack", "collect"):
+            raise ReduceMismatchError.in_while_loop(meta)
     n = len(init)
 
     def evaluate_cond(carry):
         pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry)
         return pred, leaves
 
+    def update(metas, old, new):
+        # The last value of an unreduced intermediate; the running value of a reduced one.
+        out = []
+        for meta, a, b in zip(
+            metas, split_leaves(old, metas), split_leaves(new, metas), strict=True
+        ):
+            out.extend(_reduce.combine(meta, a, meta, b) if _reduce.running(meta) else b)
+        return out
+
     def body(state):
-        carry, _, _, _ = state
+        carry, _, body_old, cond_old = state
         flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry)
-        new_carry, body_leaves = list(flat[:n]), list(flat[n:])
+        new_carry, body_leaves = list(flat[:n]), update(body_metas, body_old, flat[n:])
         pred, cond_leaves = evaluate_cond(new_carry)
-        return new_carry, pred, body_leaves, cond_leaves
+        return new_carry, pred, body_leaves, update(cond_metas, cond_old, cond_leaves)
 
     pred, cond_leaves = evaluate_cond(init)
     body_leaves = [jnp.zeros(a.shape, a.dtype) for a in body_fn.out_avals[n:]]

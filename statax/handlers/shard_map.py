@@ -17,12 +17,17 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
-from .. import _compat
-from .._interpreter import handler_from_exposer, pull_open_jaxpr, register_handler
+from .. import _compat, _reduce
+from .._interpreter import (
+    handler_from_exposer,
+    pull_jaxpr,
+    register_handler,
+    split_leaves,
+)
 
 
 def _shard_map_exposer(*args, jaxpr, mesh, in_specs, out_specs, check_vma, **params):
-    pulled, metas = pull_open_jaxpr(jaxpr)
+    closed, metas = pull_jaxpr(jex.ClosedJaxpr(jaxpr, ()))
     num_out = len(jaxpr.outvars)
     manual = _compat.shard_map_manual_axes(mesh, params)
     axes = tuple(name for name in mesh.axis_names if name in manual)
@@ -31,7 +36,7 @@ def _shard_map_exposer(*args, jaxpr, mesh, in_specs, out_specs, check_vma, **par
     shard_axis = [m.batch_ndim for m in metas for _ in range(m.num_arrays)]
 
     def body(*local):
-        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(pulled, ()))(*local)
+        flat = jex.jaxpr_as_fun(closed)(*local)
         leaves = [
             _compat.vary(jnp.expand_dims(x, k), axes)
             for x, k in zip(flat[num_out:], shard_axis, strict=True)
@@ -46,7 +51,12 @@ def _shard_map_exposer(*args, jaxpr, mesh, in_specs, out_specs, check_vma, **par
         check_vma=check_vma,
         axis_names=frozenset(manual),
     )(*args)
-    return outs, leaves, metas
+    # A reduced name combines over the shards too.
+    folded = [
+        _reduce.fold_axis(m, part, m.batch_ndim) if m.accumulator and m.reduce else part
+        for m, part in zip(metas, split_leaves(leaves, metas), strict=True)
+    ]
+    return outs, [x for part in folded for x in part], metas
 
 
 register_handler(_compat.SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer))
