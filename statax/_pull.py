@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex
 
 from . import _compat, _reduce
@@ -32,6 +33,7 @@ class _Entry(NamedTuple):
     out_treedef: Any
     out_static: tuple[Any, ...]  # per output leaf: None where an array goes, else (leaf,)
     num_out: int
+    literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -83,6 +85,10 @@ class _Pulled(eqx.Module):
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
         flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
+        if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
+            flat = list(flat)
+            for i, dtype in entry.literals:
+                flat[i] = jnp.asarray(flat[i], dtype)
         n = entry.num_out
         return _unflatten_out(entry, flat[:n]), _name(entry.metas, flat[n:])
 
@@ -150,7 +156,10 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     out_def, out_static = out_info[0]
     with selecting(only):
         new, metas = pull_jaxpr(closed)
-    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars))
+    literals = tuple(
+        (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
+    )
+    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars), literals)
 
 
 def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
