@@ -227,7 +227,12 @@ def shard_map_manual_axes(mesh, params: dict) -> frozenset:
 
 def vary(x, axes: tuple) -> Any:
     """`x` marked as varying over the manual `axes` (a no-op for axes it already varies on)."""
-    missing = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", axes))
+    aval = jax.typeof(x)
+    if hasattr(aval, "manual_axis_type"):  # JAX 0.10+
+        varying = aval.manual_axis_type.varying
+    else:  # JAX 0.8 -- 0.9
+        varying = getattr(aval, "vma", frozenset(axes))
+    missing = tuple(a for a in axes if a not in varying)
     if not missing:
         return x
     if hasattr(jax.lax, "pcast"):  # JAX 0.9+

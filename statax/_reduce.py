@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._errors import ReduceMismatchError
 from ._meta import StateMeta
 from ._primitive import MODES
@@ -28,6 +30,7 @@ from ._primitive import MODES
 __all__ = [
     "ELEMENTWISE",
     "MODES",
+    "across_shards",
     "combine",
     "finalize",
     "fold_axis",
@@ -121,6 +124,37 @@ def fold_axis(meta: StateMeta, leaves: Sequence, axis: int) -> list:
     return acc
 
 
+def across_shards(meta: StateMeta, leaves: Sequence, axes: tuple) -> list:
+    """Inside a `shard_map`: the elementwise accumulator of all shards (the same on every
+    shard), combined with collectives over the manual mesh `axes` in shard order."""
+    # Collectives over several axes need values that vary over all of them.
+    values, counts = _split(meta, [_compat.vary(x, axes) for x in leaves])
+    total = [jax.lax.psum(n, axes) for n in counts]
+    if meta.reduce in ("sum", "mean"):
+        return [*(jax.lax.psum(v, axes) for v in values), *total]
+    if meta.reduce in ("min", "max"):
+        out = []
+        for v, n in zip(values, counts, strict=True):
+            info = (
+                jnp.finfo(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype)
+            )
+            if meta.reduce == "min":
+                out.append(jax.lax.pmin(jnp.where(n > 0, v, info.max), axes))
+            else:
+                out.append(jax.lax.pmax(jnp.where(n > 0, v, info.min), axes))
+        return [*out, *total]
+    # first / last: the value of the first / last shard, in shard order, that has one.
+    index = _compat.vary(jax.lax.axis_index(axes), axes)
+    out = []
+    for v, n in zip(values, counts, strict=True):
+        if meta.reduce == "first":
+            chosen = jax.lax.pmin(jnp.where(n > 0, index, jnp.iinfo(jnp.int32).max), axes)
+        else:
+            chosen = jax.lax.pmax(jnp.where(n > 0, index, -1), axes)
+        out.append(jax.lax.psum(jnp.where(index == chosen, v, jnp.zeros_like(v)), axes))
+    return [*out, *total]
+
+
 def finalize(meta: StateMeta, leaves: Sequence) -> list:
     """The values `pull` returns for an accumulator."""
     if meta.reduce in ("stack", "collect"):
@@ -133,7 +167,7 @@ def finalize(meta: StateMeta, leaves: Sequence) -> list:
         elif meta.reduce == "mean":
             out.append(jnp.where(n > 0, v / jnp.maximum(n, 1), 0))
         else:
-            out.append(jnp.where(n > 0, v, jnp.zeros_like(v)))
+            out.append(jnp.where(n > 0, v, 0).astype(v.dtype))
     return out
 
 

@@ -20,43 +20,62 @@ from jax.sharding import PartitionSpec
 from .. import _compat, _reduce
 from .._interpreter import (
     handler_from_exposer,
-    pull_jaxpr,
+    pull_open_jaxpr,
     register_handler,
     split_leaves,
 )
 
 
 def _shard_map_exposer(*args, jaxpr, mesh, in_specs, out_specs, check_vma, **params):
-    closed, metas = pull_jaxpr(jex.ClosedJaxpr(jaxpr, ()))
+    # The body's occurrences of reduced names are folded inside the new shard_map (where its
+    # collectives can be traced), not by pull_jaxpr.
+    pulled, raw_metas = pull_open_jaxpr(jaxpr)
+    metas = _merged_metas(raw_metas, pulled.outvars[len(jaxpr.outvars) :])
     num_out = len(jaxpr.outvars)
     manual = _compat.shard_map_manual_axes(mesh, params)
     axes = tuple(name for name in mesh.axis_names if name in manual)
 
     # Where a vmap inside batched a mark, its batch axes come first and the shard axis after.
-    shard_axis = [m.batch_ndim for m in metas for _ in range(m.num_arrays)]
+    # A name reduced elementwise combines over the shards, with collectives: one value.
+    per_shard = [
+        None if _reduce.running(m) else m.batch_ndim for m in metas for _ in range(m.num_arrays)
+    ]
 
     def body(*local):
-        flat = jex.jaxpr_as_fun(closed)(*local)
-        leaves = [
-            _compat.vary(jnp.expand_dims(x, k), axes)
-            for x, k in zip(flat[num_out:], shard_axis, strict=True)
-        ]
+        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(pulled, ()))(*local)
+        _, merged = _reduce.merge(raw_metas, flat[num_out:])
+        leaves = []
+        for meta, part in zip(metas, split_leaves(merged, metas), strict=True):
+            if _reduce.running(meta):
+                leaves.extend(_reduce.across_shards(meta, part, axes))
+            else:
+                leaves.extend(_compat.vary(jnp.expand_dims(x, meta.batch_ndim), axes) for x in part)
         return list(flat[:num_out]), leaves
 
+    specs = [PartitionSpec() if k is None else PartitionSpec(*[None] * k, axes) for k in per_shard]
     outs, leaves = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(in_specs),
-        out_specs=(list(out_specs), [PartitionSpec(*[None] * k, axes) for k in shard_axis]),
+        out_specs=(list(out_specs), specs),
         check_vma=check_vma,
         axis_names=frozenset(manual),
     )(*args)
-    # A reduced name combines over the shards too.
+    # "stack" and "collect" accumulators: the shards' occurrences, one after another.
     folded = [
-        _reduce.fold_axis(m, part, m.batch_ndim) if m.accumulator and m.reduce else part
+        _reduce.fold_axis(m, part, m.batch_ndim) if m.reduce in ("stack", "collect") else part
         for m, part in zip(metas, split_leaves(leaves, metas), strict=True)
     ]
     return outs, [x for part in folded for x in part], metas
+
+
+def _merged_metas(metas, leaf_vars):
+    if not any(m.reduce for m in metas):
+        return metas
+    found = []
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in leaf_vars]
+    jax.eval_shape(lambda *xs: found.append(_reduce.merge(metas, xs)[0]), *shapes)
+    return found[0]
 
 
 register_handler(_compat.SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer))

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,3 +79,30 @@ def test_sharded_inputs_keep_their_sharding_through_jit_pull():
     out, inters = jax.jit(stx.pull(f))(X)
     assert out.sharding.is_equivalent_to(X.sharding, X.ndim)
     assert inters["h_0"].sharding.is_equivalent_to(X.sharding, X.ndim)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "min", "max", "first", "last", "stack", "collect"])
+def test_reduced_names_combine_over_shards(mode):
+    def local(a):
+        stx.save_inter(a * 2, name="r", reduce=mode)
+        stx.save_inter(a * 3, name="r", reduce=mode)
+        return a
+
+    f = jax.shard_map(local, mesh=MESH, in_specs=P("x"), out_specs=P("x"))
+    # Occurrences in order: shard (0, 0) then (0, 1), (1, 0), (1, 1); two per shard.
+    blocks = [np.asarray(X)[2 * i : 2 * i + 2] for i in range(2) for _ in range(2)]
+    occurrences = [b * k for b in blocks for k in (2, 3)]
+    stacked = np.stack(occurrences)
+    expected = {
+        "sum": stacked.sum(0),
+        "mean": stacked.mean(0),
+        "min": stacked.min(0),
+        "max": stacked.max(0),
+        "first": occurrences[0],
+        "last": occurrences[-1],
+        "stack": stacked,
+        "collect": stacked.ravel(),
+    }[mode]
+    with jax.set_mesh(MESH):
+        assert_tree_allclose(stx.pull(f)(X)[1], {"r": expected})
+        assert_tree_allclose(jax.jit(stx.pull(f))(X)[1], {"r": expected})
