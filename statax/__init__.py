@@ -7,6 +7,7 @@ Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
 import importlib.metadata
 
 from . import handlers as handlers  # registers the built-in handlers
+from ._display import describe as describe
 from ._errors import BranchMismatchError as BranchMismatchError
 from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
@@ -24,7 +25,16 @@ from ._meta import StateMeta as StateMeta
 from ._primitive import save_inter as save_inter
 from ._primitive import save_inter_p as save_inter_p
 from ._pull import pull as pull
+from ._records import records as records
 from ._scope import scope as scope
+from ._sinks import TensorBoardWriter as TensorBoardWriter
+from ._sinks import plot_exponent_histogram as plot_exponent_histogram
+from ._sinks import plot_heatmap as plot_heatmap
+from ._sinks import plot_stat as plot_stat
+from ._sinks import to_dataframe as to_dataframe
+from ._stats import stats as stats
+from ._stats import tree_stats as tree_stats
+from ._track import Tracker as Tracker
 
 try:
     __version__ = importlib.metadata.version("statax")
@@ -39,15 +49,25 @@ __all__ = [
     "KeyCollisionError",
     "ReduceMismatchError",
     "StateMeta",
+    "TensorBoardWriter",
+    "Tracker",
     "UnhandledPrimitiveError",
+    "describe",
     "find_saves",
+    "plot_exponent_histogram",
+    "plot_heatmap",
+    "plot_stat",
     "pull",
     "handler_from_exposer",
     "pull_jaxpr",
+    "records",
     "register_exposer",
     "register_handler",
     "save_inter",
     "scope",
+    "stats",
+    "to_dataframe",
+    "tree_stats",
     "save_inter_p",
     "with_extra_outputs",
 ]

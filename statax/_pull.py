@@ -34,6 +34,7 @@ class _Entry(NamedTuple):
     out_static: tuple[Any, ...]  # per output leaf: None where an array goes, else (leaf,)
     num_out: int
     literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
+    summarized: dict  # summarize function -> compiled evaluation that applies it
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -65,6 +66,7 @@ class _Pulled(eqx.Module):
     fn: Callable
     only: Any = eqx.field(static=True)
     enabled: bool = eqx.field(static=True)
+    summarize: Any = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
         if not self.enabled:
@@ -84,13 +86,64 @@ class _Pulled(eqx.Module):
             entry = _trace(call, leaves, treedef, traced, self.only)
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
-        flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
-        if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
-            flat = list(flat)
-            for i, dtype in entry.literals:
-                flat[i] = jnp.asarray(flat[i], dtype)
-        n = entry.num_out
-        return _unflatten_out(entry, flat[:n]), _name(entry.metas, flat[n:])
+        if self.summarize is not None:
+            return _summarized(entry, self.summarize)(*dynamic)
+        return _evaluate(entry, dynamic)
+
+
+def _evaluate(entry: _Entry, dynamic: Sequence) -> tuple[Any, dict[str, Any]]:
+    flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
+    if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
+        flat = list(flat)
+        for i, dtype in entry.literals:
+            flat[i] = jnp.asarray(flat[i], dtype)
+    n = entry.num_out
+    inters = _name(entry.metas, flat[n:])
+    remember_origins(inters, entry.metas)
+    return _unflatten_out(entry, flat[:n]), inters
+
+
+def _summarized(entry: _Entry, summarize: Callable) -> Callable:
+    """One compiled program that runs the function and summarises every intermediate, so that
+    only the summaries leave the device."""
+    compiled = entry.summarized.get(summarize)
+    if compiled is None:
+
+        def run(*dynamic):
+            out, inters = _evaluate(entry, dynamic)
+            return out, {key: summarize(value) for key, value in inters.items()}
+
+        compiled = entry.summarized[summarize] = eqx.filter_jit(run)
+    return compiled
+
+
+# Where each intermediate of a recent result was saved, for `describe`. Keyed by the id of the
+# dict `pull` returned, checked against its keys; a bounded record, as results are not
+# weakly referenceable.
+_ORIGINS: OrderedDict = OrderedDict()
+
+
+def remember_origins(inters: dict, metas: Sequence[StateMeta]) -> None:
+    where = {}
+    counts: dict[str, int] = {}
+    for meta in metas:
+        if meta.reduce is None:
+            n = counts.get(meta.name, 0)
+            counts[meta.name] = n + 1
+            where[f"{meta.name}_{n}"] = meta.location
+        else:
+            where[meta.name] = meta.location
+    _ORIGINS[id(inters)] = (tuple(inters), where)
+    if len(_ORIGINS) > 256:
+        _ORIGINS.popitem(last=False)
+
+
+def origins(inters: dict) -> dict[str, str]:
+    """`{key: "file:line"}` for a dict `pull` returned recently (else `{}`)."""
+    found = _ORIGINS.get(id(inters))
+    if found is None or found[0] != tuple(inters):
+        return {}
+    return found[1]
 
 
 def _traced_mask(leaves: list, treedef) -> list[bool]:
@@ -159,7 +212,7 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )
-    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars), literals)
+    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars), literals, {})
 
 
 def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
@@ -193,7 +246,9 @@ def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
     return inters
 
 
-def pull(fn: Callable, *, only: Any = None, enabled: bool = True) -> Callable:
+def pull(
+    fn: Callable, *, only: Any = None, enabled: bool = True, summarize: Callable | None = None
+) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
     Args:
@@ -210,6 +265,9 @@ def pull(fn: Callable, *, only: Any = None, enabled: bool = True) -> Callable:
         enabled: `False` turns `pull` off: the function runs as it is and returns
             `(out, {})`, compiling to exactly the unmarked program. Pass it as a static
             argument to switch collection per call under `jit`.
+        summarize: a function applied to every intermediate inside the compiled program
+            (`stx.stats`, or any function of a pytree); the dict then holds its results, and
+            only they leave the device.
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
@@ -228,7 +286,7 @@ def pull(fn: Callable, *, only: Any = None, enabled: bool = True) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Pulled(fn, _selection(only), bool(enabled))
+    return _Pulled(fn, _selection(only), bool(enabled), summarize)
 
 
 @dataclasses.dataclass(frozen=True)
