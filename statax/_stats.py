@@ -68,39 +68,100 @@ def _leaf_stats(x, format):
         return x
     x = jnp.asarray(x)
     lo, hi = exponent_range(x.dtype)
-    v = x.astype(jnp.float32) if not jnp.issubdtype(x.dtype, jnp.floating) else x
-    v = v.astype(jnp.promote_types(v.dtype, jnp.float32))
-    finite = jnp.isfinite(v)
-    n_finite = jnp.maximum(jnp.sum(finite), 1)
-    safe = jnp.where(finite, v, 0)
-    mean = jnp.sum(safe) / n_finite
-    var = jnp.sum(jnp.where(finite, (v - mean) ** 2, 0)) / n_finite
-    absolute = jnp.abs(safe)
-    nonzero = finite & (v != 0)
-    _, exponent = jnp.frexp(jnp.where(nonzero, absolute, 1))
-    bins = jnp.clip(exponent - 1 - lo, 0, hi - lo)
-    counts = (
-        jnp.zeros(hi - lo + 1, jnp.int32).at[bins.ravel()].add(nonzero.ravel().astype(jnp.int32))
+    nbins = hi - lo + 1
+    # Everything in float32 (or wider): exact for bfloat16, float16 and small integers.
+    v = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if v.dtype != jnp.float32:  # float64: one more pass is fine
+        return _wide_stats(v, x.dtype, lo, hi, format)
+    a = jnp.abs(v)
+    # One histogram pass gives the exponents and the NaN, Inf and zero counts. Exponents from
+    # the bits; subnormals scaled into the normal range first, so theirs are exact too.
+    subnormal = a < 2.0**-126
+    scaled = jnp.where(subnormal, a * 2.0**64, a)
+    biased = (jax.lax.bitcast_convert_type(scaled, jnp.int32) >> 23) & 0xFF
+    exponent = biased - 127 - jnp.where(subnormal, 64, 0)
+    key = jnp.where(
+        jnp.isnan(v),
+        nbins,
+        jnp.where(jnp.isinf(v), nbins + 1, jnp.where(a == 0, nbins + 2, exponent - lo)),
     )
+    key = jnp.clip(key, 0, nbins + 2)
+    # The same pass classifies each value for the low-precision format: 0 in range,
+    # 1 flushed to zero, 2 past its largest value (a 2-d histogram, one scatter).
+    if format is not None:
+        info = ml_dtypes.finfo(jnp.dtype(format))
+        klass = jnp.where(
+            (a > 0) & (a < float(info.smallest_subnormal) / 2),
+            1,
+            jnp.where(jnp.isfinite(v) & (a > float(info.max)), 2, 0),
+        )
+        key = key * 3 + klass
+    size = (nbins + 3) * (3 if format is not None else 1)
+    flat = jnp.zeros(size, jnp.int32).at[key.ravel()].add(1)
+    counts = flat.reshape(nbins + 3, -1).sum(1)
+    nan_count, inf_count, zero_count = counts[nbins], counts[nbins + 1], counts[nbins + 2]
+    finite = jnp.isfinite(v)
+    n = jnp.maximum(v.size - nan_count - inf_count, 1).astype(jnp.float32)
+    safe = jnp.where(finite, v, 0)
+    total, squares = jnp.sum(safe), jnp.sum(safe * safe)
+    low = jnp.min(jnp.where(finite, v, jnp.inf))
+    high = jnp.max(jnp.where(finite, v, -jnp.inf))
+    mean = total / n
     out = {
         "mean": mean,
-        "std": jnp.sqrt(var),
+        "std": jnp.sqrt(jnp.maximum(squares / n - mean * mean, 0)),
+        "min": low,
+        "max": high,
+        "rms": jnp.sqrt(squares / n),
+        "max_abs": jnp.maximum(jnp.abs(low), jnp.abs(high)),
+        "zero_fraction": zero_count / max(v.size, 1),
+        "nan_count": nan_count,
+        "inf_count": inf_count,
+        "exponent_min": jnp.int32(lo),
+        "exponent_counts": counts[:nbins],
+        # An empty array of the leaf's dtype: the dtype travels to the host, no data does.
+        "dtype": jnp.zeros((0,), x.dtype),
+    }
+    if format is not None:
+        per_class = flat.reshape(nbins + 3, 3).sum(0)
+        out["underflow"], out["overflow"] = per_class[1], per_class[2]
+    return out
+
+
+def _format_counts(a, finite, format):
+    info = ml_dtypes.finfo(jnp.dtype(format))
+    return {
+        "underflow": jnp.sum((a > 0) & (a < float(info.smallest_subnormal) / 2)),
+        "overflow": jnp.sum(finite & (a > float(info.max))),
+    }
+
+
+def _wide_stats(v, dtype, lo, hi, format):
+    finite = jnp.isfinite(v)
+    n = jnp.maximum(jnp.sum(finite), 1)
+    safe = jnp.where(finite, v, 0)
+    mean = jnp.sum(safe) / n
+    a = jnp.abs(safe)
+    nonzero = finite & (v != 0)
+    _, exponent = jnp.frexp(jnp.where(nonzero, a, 1))
+    bins = jnp.clip(exponent - 1 - lo, 0, hi - lo)
+    counts = jnp.zeros(hi - lo + 1, jnp.int32).at[bins.ravel()].add(nonzero.ravel().astype(int))
+    out = {
+        "mean": mean,
+        "std": jnp.sqrt(jnp.sum(jnp.where(finite, (v - mean) ** 2, 0)) / n),
         "min": jnp.min(jnp.where(finite, v, jnp.inf)),
         "max": jnp.max(jnp.where(finite, v, -jnp.inf)),
-        "rms": jnp.sqrt(jnp.sum(safe**2) / n_finite),
-        "max_abs": jnp.max(absolute),
+        "rms": jnp.sqrt(jnp.sum(safe**2) / n),
+        "max_abs": jnp.max(a),
         "zero_fraction": jnp.mean(v == 0),
         "nan_count": jnp.sum(jnp.isnan(v)),
         "inf_count": jnp.sum(jnp.isinf(v)),
         "exponent_min": jnp.int32(lo),
         "exponent_counts": counts,
-        # An empty array of the leaf's dtype: the dtype travels to the host, no data does.
-        "dtype": jnp.zeros((0,), x.dtype),
+        "dtype": jnp.zeros((0,), dtype),
     }
     if format is not None:
-        info = ml_dtypes.finfo(jnp.dtype(format))
-        out["underflow"] = jnp.sum(nonzero & (absolute < float(info.smallest_subnormal) / 2))
-        out["overflow"] = jnp.sum(finite & (absolute > float(info.max)))
+        out.update(_format_counts(a, finite, format))
     return out
 
 
