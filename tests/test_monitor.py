@@ -71,9 +71,13 @@ def test_describe_names_shapes_stats_and_where():
     lines = text.splitlines()
     assert lines[0].startswith("hidden_0") and "(64, 32)" in lines[0] and "float32" in lines[0]
     assert "nan 0" in lines[0] and "test_monitor.py:" in lines[0]
-    assert "<pre>" in stx.describe({"x": jnp.ones(2)})._repr_html_() or importlib.util.find_spec(
-        "treescope"
-    )
+
+
+def test_describe_renders_with_treescope_in_a_notebook(monkeypatch):
+    description = stx.describe({"x": jnp.ones(2)})
+    assert "treescope" in description._repr_html_()  # treescope is in the test extras
+    monkeypatch.setitem(sys.modules, "treescope", None)
+    assert description._repr_html_().startswith("<pre>x")
 
 
 def _train(tmp_path, every=2, steps=6):
