@@ -48,10 +48,13 @@ class Description:
         try:
             import treescope
         except ImportError:
-            import html
-
-            return f"<pre>{html.escape(self.text)}</pre>"
+            return self._pre()
         return treescope.render_to_html(self._inters)
+
+    def _pre(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(self.text)}</pre>"
 
 
 def describe(inters: dict[str, Any]) -> Description:

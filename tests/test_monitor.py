@@ -73,6 +73,8 @@ def test_describe_names_shapes_stats_and_where():
     assert "nan 0" in lines[0] and "test_monitor.py:" in lines[0]
 
 
+# treescope touches deprecated JAX names on older JAX versions.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_describe_renders_with_treescope_in_a_notebook(monkeypatch):
     description = stx.describe({"x": jnp.ones(2)})
     assert "treescope" in description._repr_html_()  # treescope is in the test extras
