@@ -122,10 +122,6 @@ def register_transpose_rule(prim: jex.Primitive, rule: Callable) -> None:
     ad.primitive_transposes[prim] = rule
 
 
-def is_undefined_primal(x: Any) -> bool:
-    return ad.is_undefined_primal(x)
-
-
 def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     """Register `rule(axis_size, vals, dims, **params) -> (vals, dims)`.
 
