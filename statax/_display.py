@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -9,26 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._pull import origins
-from ._stats import path_name
+from ._stats import path_name, stats
 
 __all__ = ["describe"]
 
 
-@jax.jit
-def _summary(x):
-    v = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    finite = jnp.isfinite(v)
-    n = jnp.maximum(jnp.sum(finite), 1)
-    safe = jnp.where(finite, v, 0)
-    mean = jnp.sum(safe) / n
-    return (
-        mean,
-        jnp.sqrt(jnp.sum(jnp.where(finite, (v - mean) ** 2, 0)) / n),
-        jnp.min(jnp.where(finite, v, jnp.inf)),
-        jnp.max(jnp.where(finite, v, -jnp.inf)),
-        jnp.sum(jnp.isnan(v)),
-        jnp.sum(jnp.isinf(v)),
-    )
+_summary = jax.jit(functools.partial(stats, format=None))
 
 
 class Description:
@@ -76,22 +63,15 @@ def describe(inters: dict[str, Any]) -> Description:
         for path, leaf in jax.tree_util.tree_leaves_with_path(value):
             name = key + ("." + path_name(path) if path else "")
             if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.size(leaf):
-                mean, std, low, high, nans, infs = jax.device_get(_summary(jnp.asarray(leaf)))
-                stats = (
+                st = jax.device_get(_summary(jnp.asarray(leaf)))
+                mean, std, low, high = st["mean"], st["std"], st["min"], st["max"]
+                nans, infs = st["nan_count"], st["inf_count"]
+                line = (
                     f"mean {mean:+.4g}  std {std:.4g}  min {low:+.4g}  max {high:+.4g}  "
                     f"nan {int(nans)}  inf {int(infs)}"
                 )
-                rows.append(
-                    [
-                        name,
-                        str(tuple(np.shape(leaf))),
-                        str(np.asarray(leaf).dtype)
-                        if not isinstance(leaf, jax.Array)
-                        else str(leaf.dtype),
-                        stats,
-                        where.get(key, ""),
-                    ]
-                )
+                shape = str(tuple(np.shape(leaf)))
+                rows.append([name, shape, str(leaf.dtype), line, where.get(key, "")])
             else:
                 rows.append([name, "", type(leaf).__name__, repr(leaf), where.get(key, "")])
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]

@@ -99,7 +99,6 @@ def _evaluate(entry: _Entry, dynamic: Sequence) -> tuple[Any, dict[str, Any]]:
             flat[i] = jnp.asarray(flat[i], dtype)
     n = entry.num_out
     inters = _name(entry.metas, flat[n:])
-    remember_origins(inters, entry.metas)
     return _unflatten_out(entry, flat[:n]), inters
 
 
@@ -123,16 +122,7 @@ def _summarized(entry: _Entry, summarize: Callable) -> Callable:
 _ORIGINS: OrderedDict = OrderedDict()
 
 
-def remember_origins(inters: dict, metas: Sequence[StateMeta]) -> None:
-    where = {}
-    counts: dict[str, int] = {}
-    for meta in metas:
-        if meta.reduce is None:
-            n = counts.get(meta.name, 0)
-            counts[meta.name] = n + 1
-            where[f"{meta.name}_{n}"] = meta.location
-        else:
-            where[meta.name] = meta.location
+def _remember_origins(inters: dict, where: dict[str, str]) -> None:
     _ORIGINS[id(inters)] = (tuple(inters), where)
     if len(_ORIGINS) > 256:
         _ORIGINS.popitem(last=False)
@@ -243,6 +233,7 @@ def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
             raise KeyCollisionError(key, sites[key], meta)
         sites[key] = meta
         inters[key] = meta.unflatten(leaves)
+    _remember_origins(inters, {key: meta.location for key, meta in sites.items()})
     return inters
 
 

@@ -144,23 +144,27 @@ def test_two_modes_for_one_name_is_an_error_naming_both():
         stx.pull(f)(1.0)
 
 
-def test_reduced_and_unreduced_occurrences_of_one_name_is_an_error():
-    def f(x):
-        stx.save_inter(x, name="h")
-        stx.save_inter(x, name="h", reduce="last")
-        return x
-
-    with pytest.raises(stx.ReduceMismatchError, match="reduce=None"):
-        stx.pull(f)(1.0)
+def _reduced_beside_unreduced(x):
+    stx.save_inter(x, name="h")
+    stx.save_inter(x, name="h", reduce="last")
+    return x
 
 
-def test_reduced_name_colliding_with_a_generated_key_is_an_error():
-    def f(x):
-        stx.save_inter(x, name="y")
-        stx.save_inter(x, name="y_0", reduce="mean")
-        return x
+def _reduced_name_equal_to_a_generated_key(x):
+    stx.save_inter(x, name="y")
+    stx.save_inter(x, name="y_0", reduce="mean")
+    return x
 
-    with pytest.raises(stx.KeyCollisionError, match="'y_0'"):
+
+@pytest.mark.parametrize(
+    "f, error, match",
+    [
+        (_reduced_beside_unreduced, stx.ReduceMismatchError, "reduce=None"),
+        (_reduced_name_equal_to_a_generated_key, stx.KeyCollisionError, "'y_0'"),
+    ],
+)
+def test_names_that_cannot_share_an_entry_are_errors(f, error, match):
+    with pytest.raises(error, match=match):
         stx.pull(f)(1.0)
 
 
