@@ -11,7 +11,7 @@ Tested against JAX 0.8.0 -- 0.10.2 (see `pyproject.toml`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend import core as jex
@@ -48,10 +48,22 @@ __all__ = [
     "user_context",
 ]
 
+# (major, minor, patch) of the JAX in use; branches below name the versions they cover.
+JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__[:3])
+
 # Public in `jax.extend.core` since JAX 0.9; `jax._src.core` before.
 jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
 if jaxprs_in_params is None:
     from jax._src.core import jaxprs_in_params  # noqa: F401
+
+
+def wraps_jaxpr(jaxpr: Any) -> bool:
+    """Whether `jaxpr` is a `ClosedJaxpr` wrapping a separate open `Jaxpr` (JAX 0.8 -- 0.10).
+
+    Since JAX 0.11 `ClosedJaxpr` is `Jaxpr` itself, with its consts attached, and `.jaxpr`
+    returns the same object: there is nothing to unwrap, and recursing into `.jaxpr` would not
+    end."""
+    return isinstance(jaxpr, jex.ClosedJaxpr) and jaxpr.jaxpr is not jaxpr
 
 
 class SaveEffect(effects_lib.Effect):
@@ -210,6 +222,185 @@ def register_rebatching(
 
     rule._statax_original = original
     batching.fancy_primitive_batchers[prim] = rule
+
+
+# ---- what handlers read from and write to equations' params --------------------------------
+#
+# Handlers never read JAX's param names themselves: a rename in a new JAX release is a change
+# here. Each primitive family has a view (`*_parts`) and a way back (`*_params`).
+
+
+class ScanParts(NamedTuple):
+    jaxpr: jex.ClosedJaxpr  # (consts, carry, xs) -> (carry, ys)
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int
+
+
+# JAX 0.11 replaced scan's `num_consts`/`num_carry` (and, in 0.8 -- 0.9, `linear` and
+# `_split_transpose`) by `ft_in`/`ft_out`: `FlatTree`s of (consts, carry, xs) and (carry, ys).
+_SCAN_FLAT_TREES = JAX_VERSION >= (0, 11)
+
+
+def scan_parts(params: dict) -> ScanParts:
+    """The parts of a `scan` equation, whatever JAX names them."""
+    if _SCAN_FLAT_TREES:  # JAX 0.11+
+        consts, carry, _ = params["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
+    else:  # JAX 0.8 -- 0.10
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+    return ScanParts(
+        params["jaxpr"],
+        num_consts,
+        num_carry,
+        params["length"],
+        params["reverse"],
+        params["unroll"],
+    )
+
+
+def scan_params(params: dict, parts: ScanParts) -> dict:
+    """`params` of a `scan` equation rewritten to `parts` (whose jaxpr may have more ys, or more
+    consts, carries or xs, than the original)."""
+    jaxpr, num_consts, num_carry = parts.jaxpr, parts.num_consts, parts.num_carry
+    num_xs = len(jaxpr.in_avals) - num_consts - num_carry
+    num_ys = len(jaxpr.out_avals) - num_carry
+    new = dict(params, jaxpr=jaxpr, length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
+    if _SCAN_FLAT_TREES:  # JAX 0.11+
+        from jax._src import flattree as ft
+
+        new["ft_in"] = ft.pack((ft.nones(num_consts), ft.nones(num_carry), ft.nones(num_xs)))
+        new["ft_out"] = ft.pack((ft.nones(num_carry), ft.nones(num_ys)))
+        return new
+    new.update(num_consts=num_consts, num_carry=num_carry)
+    if "linear" in params:  # JAX 0.8 -- 0.9
+        new["linear"] = (False,) * len(jaxpr.in_avals)
+    return new
+
+
+class WhileParts(NamedTuple):
+    cond_jaxpr: jex.ClosedJaxpr  # (cond_consts, carry) -> pred
+    body_jaxpr: jex.ClosedJaxpr  # (body_consts, carry) -> carry
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_parts(params: dict) -> WhileParts:
+    """The parts of a `while` equation (names unchanged in JAX 0.8 -- 0.12)."""
+    return WhileParts(
+        params["cond_jaxpr"], params["body_jaxpr"], params["cond_nconsts"], params["body_nconsts"]
+    )
+
+
+def while_params(params: dict, parts: WhileParts) -> dict:
+    return dict(params, **parts._asdict())
+
+
+def cond_branches(params: dict) -> tuple:
+    """The branches of a `cond` equation (`lax.cond`'s false branch first)."""
+    return tuple(params["branches"])
+
+
+def cond_params(params: dict, branches: Sequence) -> dict:
+    return dict(params, branches=tuple(branches))
+
+
+def jit_jaxpr(params: dict) -> jex.ClosedJaxpr:
+    return params["jaxpr"]
+
+
+def jit_params(params: dict, jaxpr: jex.ClosedJaxpr) -> dict:
+    """A `jit` equation's params for `jaxpr`, which returns the original outputs followed by new
+    ones: those get unspecified sharding and default layout (the compiler chooses)."""
+    k = len(jaxpr.out_avals) - len(params["out_shardings"])
+    return dict(
+        params,
+        jaxpr=jaxpr,
+        out_shardings=(*params["out_shardings"], *(UNSPECIFIED_SHARDING,) * k),
+        out_layouts=(*params["out_layouts"], *(None,) * k),
+    )
+
+
+# The inner function of the call-like primitives: (param name, whether it is a ClosedJaxpr).
+def call_jaxpr(params: dict):
+    """The function of a `closed_call`/`call`/`checkpoint` equation (closed or open jaxpr)."""
+    return params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
+
+
+def call_params(params: dict, jaxpr) -> dict:
+    key = "call_jaxpr" if "call_jaxpr" in params else "jaxpr"
+    return dict(params, **{key: jaxpr})
+
+
+def custom_primal(params: dict) -> jex.ClosedJaxpr:
+    """The primal function of a `custom_jvp_call`/`custom_vjp_call` equation."""
+    return params["call_jaxpr"]
+
+
+def custom_params(params: dict, primal: jex.ClosedJaxpr) -> dict:
+    return dict(params, call_jaxpr=primal)
+
+
+class LinearSolveParts(NamedTuple):
+    jaxprs: Any  # namedtuple (matvec, vecmat, solve, transpose_solve), some None
+    const_lengths: Any  # namedtuple of the same fields: how many consts each takes
+
+
+def linear_solve_parts(params: dict) -> LinearSolveParts:
+    return LinearSolveParts(params["jaxprs"], params["const_lengths"])
+
+
+def linear_solve_params(params: dict, jaxprs) -> dict:
+    return dict(params, jaxprs=jaxprs)
+
+
+class ShardMapParts(NamedTuple):
+    jaxpr: jex.Jaxpr  # the per-shard body, an open jaxpr
+    mesh: Any
+    in_specs: tuple
+    out_specs: tuple
+    check_vma: bool
+    manual_axes: frozenset  # the mesh axes this shard_map makes manual
+
+
+def shard_map_parts(params: dict) -> ShardMapParts:
+    mesh = params["mesh"]
+    return ShardMapParts(
+        params["jaxpr"],
+        mesh,
+        tuple(params["in_specs"]),
+        tuple(params["out_specs"]),
+        params["check_vma"],
+        shard_map_manual_axes(mesh, params),
+    )
+
+
+# JAX 0.11+ has "hijax" primitives: one `call_hi_primitive` equation whose `_prim` param is a
+# Python object with its own params and rules (`lax.custom_root` is one since 0.11). None before.
+try:
+    from jax._src.hijax import call_hi_primitive_p as HI_PRIMITIVE  # JAX 0.11+
+except ImportError:  # JAX 0.8 -- 0.10
+    HI_PRIMITIVE = None
+
+
+def hi_jaxprs(params: dict) -> list:
+    """The jaxprs a `call_hi_primitive` equation holds in its object's params."""
+    return [j for j in jaxprs_in_params(params["_prim"].params)]
+
+
+def hi_expand(params: dict) -> Callable:
+    """`f(*flat_args) -> flat outputs`: what a `call_hi_primitive` equation computes, in terms
+    of ordinary primitives (its forward pass; its own rules still govern derivatives)."""
+    from jax._src.tree_util import tree_leaves_checked
+
+    prim = params["_prim"]
+
+    def expand(*flat):
+        return tree_leaves_checked(prim.out_tree, prim.expand(*prim.in_tree.unflatten(flat)))
+
+    return expand
 
 
 def shard_map_manual_axes(mesh, params: dict) -> frozenset:

@@ -339,7 +339,7 @@ def inert(jaxpr):
     For handlers that keep an equation as it was beside a pulled copy (custom derivatives,
     linear solves): its marks must not be collected again by an enclosing `pull`.
     """
-    if isinstance(jaxpr, jex.ClosedJaxpr):
+    if _compat.wraps_jaxpr(jaxpr):
         new = inert(jaxpr.jaxpr)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
     with selecting(None):  # every mark, selected or not

@@ -8,6 +8,7 @@ from . import calls as calls
 from . import cond as cond
 from . import custom_derivatives as custom_derivatives
 from . import equinox as equinox
+from . import hijax as hijax
 from . import jit as jit
 from . import loops as loops
 from . import remat as remat

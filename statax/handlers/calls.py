@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from jax.extend.core.primitives import call_p, closed_call_p
 
+from .._compat import call_jaxpr, call_params
 from .._interpreter import pull_jaxpr, pull_open_jaxpr, register_handler, with_extra_outputs
 
 
 def _closed_call_handler(eqn):
-    jaxpr, metas = pull_jaxpr(eqn.params["call_jaxpr"])
-    return with_extra_outputs(eqn, jaxpr.out_avals[len(eqn.outvars) :], call_jaxpr=jaxpr), metas
+    jaxpr, metas = pull_jaxpr(call_jaxpr(eqn.params))
+    new_avals = jaxpr.out_avals[len(eqn.outvars) :]
+    return with_extra_outputs(eqn, new_avals, **call_params(eqn.params, jaxpr)), metas
 
 
 def _call_handler(eqn):
-    jaxpr, metas = pull_open_jaxpr(eqn.params["call_jaxpr"])
+    jaxpr, metas = pull_open_jaxpr(call_jaxpr(eqn.params))
     new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars) :]]
-    return with_extra_outputs(eqn, new_avals, call_jaxpr=jaxpr), metas
+    return with_extra_outputs(eqn, new_avals, **call_params(eqn.params, jaxpr)), metas
 
 
 register_handler(closed_call_p, _closed_call_handler)

@@ -70,7 +70,8 @@ def _branch(jaxpr, metas, num_out, slots, where):
     return run
 
 
-def _cond_exposer(index, *ops, branches, **params):
+def _cond_exposer(index, *ops, **params):
+    branches = _compat.cond_branches(params)
     num_out = len(branches[0].out_avals)
     pulled = [pull_jaxpr(branch) for branch in branches]
     slots, per_branch = _slots(pulled)
@@ -78,7 +79,7 @@ def _cond_exposer(index, *ops, branches, **params):
         _compat.trace(_branch(jaxpr, metas, num_out, slots, where), branch.in_avals, "branch")
         for branch, (jaxpr, metas), where in zip(branches, pulled, per_branch, strict=True)
     )
-    flat = cond_p.bind(index, *ops, branches=new_branches, **params)
+    flat = cond_p.bind(index, *ops, **_compat.cond_params(params, new_branches))
     return flat[:num_out], flat[num_out:], tuple(meta for meta, _ in slots.values())
 
 

@@ -22,11 +22,12 @@ from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_han
 
 
 def _exposer(primitive):
-    def exposer(*args, call_jaxpr, **params):
-        outs = _compat.bind(primitive, args, dict(params, call_jaxpr=inert(call_jaxpr)))
-        pulled, metas = pull_jaxpr(call_jaxpr)
+    def exposer(*args, **params):
+        primal = _compat.custom_primal(params)
+        outs = _compat.bind(primitive, args, _compat.custom_params(params, inert(primal)))
+        pulled, metas = pull_jaxpr(primal)
         frozen = [jax.lax.stop_gradient(x) for x in args]
-        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(call_jaxpr.out_avals) :]
+        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(primal.out_avals) :]
         return outs, leaves, metas
 
     return exposer

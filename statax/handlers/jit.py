@@ -7,21 +7,14 @@ the jit, with unspecified sharding and layout (the compiler chooses), so `static
 
 from __future__ import annotations
 
-from .._compat import JIT_PRIMITIVE, UNSPECIFIED_SHARDING
+from .._compat import JIT_PRIMITIVE, jit_jaxpr, jit_params
 from .._interpreter import pull_jaxpr, register_handler, with_extra_outputs
 
 
 def _jit_handler(eqn):
-    jaxpr, metas = pull_jaxpr(eqn.params["jaxpr"])
+    jaxpr, metas = pull_jaxpr(jit_jaxpr(eqn.params))
     new_avals = jaxpr.out_avals[len(eqn.outvars) :]
-    k = len(new_avals)
-    return with_extra_outputs(
-        eqn,
-        new_avals,
-        jaxpr=jaxpr,
-        out_shardings=(*eqn.params["out_shardings"], *(UNSPECIFIED_SHARDING,) * k),
-        out_layouts=(*eqn.params["out_layouts"], *(None,) * k),
-    ), metas
+    return with_extra_outputs(eqn, new_avals, **jit_params(eqn.params, jaxpr)), metas
 
 
 register_handler(JIT_PRIMITIVE, _jit_handler)

@@ -28,25 +28,19 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
-from .. import _reduce
+from .. import _compat, _reduce
 from .._errors import ReduceMismatchError
 from .._interpreter import pull_jaxpr, register_exposer, split_leaves
 
 
-def _scan_exposer(*args, jaxpr, num_consts, num_carry, length, reverse, unroll, **params):
-    body, metas = pull_jaxpr(jaxpr)
-    num_out = len(jaxpr.out_avals)
+def _scan_exposer(*args, **params):
+    parts = _compat.scan_parts(params)
+    num_consts, num_carry = parts.num_consts, parts.num_carry
+    length, reverse, unroll = parts.length, parts.reverse, parts.unroll
+    body, metas = pull_jaxpr(parts.jaxpr)
+    num_out = len(parts.jaxpr.out_avals)
     if not any(_reduce.running(m) for m in metas):
-        flat = scan_p.bind(
-            *args,
-            jaxpr=body,
-            num_consts=num_consts,
-            num_carry=num_carry,
-            length=length,
-            reverse=reverse,
-            unroll=unroll,
-            **params,
-        )
+        flat = scan_p.bind(*args, **_compat.scan_params(params, parts._replace(jaxpr=body)))
         stacked = split_leaves(flat[num_out:], metas)
         return flat[:num_out], _unstack_reduced(metas, stacked), metas
 
@@ -96,7 +90,8 @@ def _unstack_reduced(metas, stacked, flat=True):
 register_exposer(scan_p, _scan_exposer)
 
 
-def _while_exposer(*args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+def _while_exposer(*args, **params):
+    cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts = _compat.while_parts(params)
     cond_consts = args[:cond_nconsts]
     body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]

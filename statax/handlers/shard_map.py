@@ -26,13 +26,13 @@ from .._interpreter import (
 )
 
 
-def _shard_map_exposer(*args, jaxpr, mesh, in_specs, out_specs, check_vma, **params):
+def _shard_map_exposer(*args, **params):
+    jaxpr, mesh, in_specs, out_specs, check_vma, manual = _compat.shard_map_parts(params)
     # The body's occurrences of reduced names are folded inside the new shard_map (where its
     # collectives can be traced), not by pull_jaxpr.
     pulled, raw_metas = pull_open_jaxpr(jaxpr)
     metas = _merged_metas(raw_metas, pulled.outvars[len(jaxpr.outvars) :])
     num_out = len(jaxpr.outvars)
-    manual = _compat.shard_map_manual_axes(mesh, params)
     axes = tuple(name for name in mesh.axis_names if name in manual)
 
     # Where a vmap inside batched a mark, its batch axes come first and the shard axis after.

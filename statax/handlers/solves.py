@@ -13,13 +13,14 @@ import jax
 from jax.extend import core as jex
 from jax.extend.core.primitives import linear_solve_p
 
+from .. import _compat
 from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_handler
 
 
-def _linear_solve_exposer(*args, const_lengths, jaxprs, **params):
-    outs = linear_solve_p.bind(
-        *args, const_lengths=const_lengths, jaxprs=type(jaxprs)(*map(_inert, jaxprs)), **params
-    )
+def _linear_solve_exposer(*args, **params):
+    jaxprs, const_lengths = _compat.linear_solve_parts(params)
+    inert_jaxprs = type(jaxprs)(*map(_inert, jaxprs))
+    outs = linear_solve_p.bind(*args, **_compat.linear_solve_params(params, inert_jaxprs))
     start = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[start : start + const_lengths.solve]
     b = args[sum(const_lengths) :]
