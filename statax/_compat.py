@@ -5,7 +5,8 @@ versions it was written against, so that a new JAX release is an afternoon's wor
 tests, fix this file. Everything else in statax imports only public JAX
 (`jax`, `jax.extend.core`, `jax.tree_util`) and this module.
 
-Tested against JAX 0.8.0 -- 0.10.2 (see `pyproject.toml`).
+Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
+on the version or on behaviour says, in a comment, which versions each side covers.
 """
 
 from __future__ import annotations
@@ -25,27 +26,50 @@ from jax._src.interpreters import ad, batching, mlir  # isort: skip
 from jax._src.interpreters import partial_eval as pe  # isort: skip
 
 __all__ = [
+    "HI_PRIMITIVE",
+    "JAX_VERSION",
     "JIT_PRIMITIVE",
     "PULLING",
     "REMAT_PRIMITIVE",
-    "SHARD_MAP_PRIMITIVE",
     "SAVE_EFFECT",
     "SCOPE",
+    "SHARD_MAP_PRIMITIVE",
     "UNSPECIFIED_SHARDING",
-    "extend_debug_info",
-    "jaxprs_in_params",
+    "LinearSolveParts",
+    "ScanParts",
+    "ShardMapParts",
+    "WhileParts",
     "bind",
+    "call_jaxpr",
+    "call_params",
+    "cond_branches",
+    "cond_params",
+    "custom_params",
+    "custom_primal",
     "equinox_noinline",
+    "extend_debug_info",
+    "hi_expand",
+    "hi_jaxprs",
+    "jaxprs_in_params",
+    "jit_jaxpr",
+    "jit_params",
+    "linear_solve_params",
+    "linear_solve_parts",
     "register_batching_rule",
-    "shard_map_manual_axes",
-    "vary",
-    "register_rebatching",
-    "trace",
     "register_jvp_rule",
     "register_lowering_identity",
+    "register_rebatching",
     "register_remat_partial_eval_rule",
     "register_transpose_rule",
+    "scan_params",
+    "scan_parts",
+    "shard_map_manual_axes",
+    "shard_map_parts",
+    "trace",
     "user_context",
+    "vary",
+    "while_parts",
+    "wraps_jaxpr",
 ]
 
 # (major, minor, patch) of the JAX in use; branches below name the versions they cover.
@@ -292,10 +316,6 @@ def while_parts(params: dict) -> WhileParts:
     return WhileParts(
         params["cond_jaxpr"], params["body_jaxpr"], params["cond_nconsts"], params["body_nconsts"]
     )
-
-
-def while_params(params: dict, parts: WhileParts) -> dict:
-    return dict(params, **parts._asdict())
 
 
 def cond_branches(params: dict) -> tuple:
