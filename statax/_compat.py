@@ -65,6 +65,7 @@ __all__ = [
     "scan_parts",
     "shard_map_manual_axes",
     "shard_map_parts",
+    "trace_context",
     "trace",
     "user_context",
     "vary",
@@ -131,6 +132,14 @@ SCOPE = jax_config.string_or_object_state(
     "Internal to statax: the prefix of the statax.scope in force.",
     include_in_trace_context=True,
 )
+
+
+def trace_context() -> tuple:
+    """Everything in JAX's configuration that changes what tracing produces (x64, disable_jit,
+    matmul precision, promotion rules, meshes, statax's own states, ...), hashable: the part of
+    `jax.jit`'s cache key that is not the arguments. `jax._src.config` in JAX 0.8 -- 0.12."""
+    return jax_config.trace_context()
+
 
 # `jit_p` (named "jit") since JAX 0.7; `pjit_p` before.
 JIT_PRIMITIVE: jex.Primitive = getattr(jex.primitives, "jit_p", None) or jex.primitives.pjit_p

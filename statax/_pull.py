@@ -76,6 +76,7 @@ class _Pulled(eqx.Module):
         traced = _traced_mask(leaves, treedef)
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
         key = (
+            _compat.trace_context(),  # as jax.jit: no result traced under other flags
             self.only,
             treedef,
             tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),

@@ -310,3 +310,74 @@ def test_bound_method_of_plain_object():
 def test_pull_of_non_callable_is_a_type_error():
     with pytest.raises(TypeError, match="needs a callable"):
         stx.pull(3)
+
+
+# ---- the cache is keyed on JAX's configuration, as jax.jit's is ------------------------------
+
+
+def test_cache_follows_enable_x64():
+    def g(x):
+        return jnp.arange(3) + stx.save_inter(x, name="x").astype(int)
+
+    x = jnp.float32(1.0)
+    assert stx.pull(g)(x)[0].dtype == jnp.int32
+    with _x64():
+        out, inters = stx.pull(g)(x)
+        assert out.dtype == g(x).dtype == jax.jit(g)(x).dtype == jnp.int64
+        assert inters["x_0"].dtype == jnp.float32
+    assert stx.pull(g)(x)[0].dtype == jnp.int32  # and back
+
+
+class _x64:
+    def __enter__(self):
+        jax.config.update("jax_enable_x64", True)
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_enable_x64", False)
+
+
+def _traced_under(context):
+    """How often `f` is traced when pulled once outside `context`, once inside, once after."""
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return stx.save_inter(x @ x, name="xx")
+
+    x = jnp.ones((2, 2))
+    expected = stx.pull(f)(x)
+    with context:
+        assert_tree_allclose(stx.pull(f)(x), expected)
+    assert_tree_allclose(stx.pull(f)(x), expected)
+    return len(traces)
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        lambda: jax.disable_jit(),
+        lambda: jax.default_matmul_precision("highest"),
+        lambda: jax.numpy_rank_promotion("warn"),
+        lambda: jax.numpy_dtype_promotion("strict"),
+    ],
+    ids=["disable_jit", "matmul_precision", "rank_promotion", "dtype_promotion"],
+)
+def test_cache_is_keyed_on_flags_that_change_tracing(context):
+    # Traced again under the flag, and the trace from outside is reused after it.
+    assert _traced_under(context()) == 2
+
+
+def test_cached_trace_from_permissive_promotion_is_not_reused_under_strict():
+    def f(x, i):
+        return stx.save_inter(x + i, name="s")
+
+    x, i = jnp.ones(3), jnp.arange(3)
+    with jax.numpy_dtype_promotion("standard"):
+        assert stx.pull(f)(x, i)[0].dtype == jnp.float32
+    with jax.numpy_dtype_promotion("strict"), pytest.raises(jax.dtypes.TypePromotionError):
+        stx.pull(f)(x, i)
+    m = jnp.ones((2, 3))
+    with jax.numpy_rank_promotion("allow"):
+        assert stx.pull(f)(x, m)[0].shape == (2, 3)
+    with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
+        stx.pull(f)(x, m)
