@@ -77,10 +77,11 @@ class StateMeta:
             `vmap(pull(f))` agree.
         reduce: how the occurrences of `name` combine (`save_inter`'s `reduce`), or `None`
             to keep them apart as `name_0`, `name_1`, ...
-        accumulator: whether the leaves are a running combination of occurrences (for the
-            elementwise modes, each array leaf followed by a count of the same shape; for
-            `"stack"` and `"collect"`, leaves with an occurrence axis after the batch axes)
-            rather than one occurrence's values.
+        accumulator: whether the leaves are a running combination of occurrences rather
+            than one occurrence's values: for the elementwise modes, the array leaves followed
+            by one count of the same shape each; for `"stack"` and `"collect"`, the leaves with
+            an occurrence axis after the batch axes followed by one boolean mask each, true
+            where an occurrence ran (`"stack"`: one per row; `"collect"`: one per element).
     """
 
     name: str
@@ -98,8 +99,8 @@ class StateMeta:
 
     @property
     def num_arrays(self) -> int:
-        """How many flat array leaves carry this intermediate (counts included)."""
-        counted = self.accumulator and self.reduce not in (None, "stack", "collect")
+        """How many flat array leaves carry this intermediate (counts and masks included)."""
+        counted = self.accumulator and self.reduce is not None
         return 2 * self.num_values if counted else self.num_values
 
     def unflatten(self, arrays: Sequence[Any]) -> Any:

@@ -67,6 +67,7 @@ class _Pulled(eqx.Module):
     only: Any = eqx.field(static=True)
     enabled: bool = eqx.field(static=True)
     summarize: Any = eqx.field(static=True)
+    ran: bool = eqx.field(static=True, default=False)
 
     def __call__(self, *args, **kwargs):
         if not self.enabled:
@@ -88,32 +89,32 @@ class _Pulled(eqx.Module):
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
         if self.summarize is not None:
-            return _summarized(entry, self.summarize)(*dynamic)
-        return _evaluate(entry, dynamic)
+            return _summarized(entry, self.summarize, self.ran)(*dynamic)
+        return _evaluate(entry, dynamic, self.ran)
 
 
-def _evaluate(entry: _Entry, dynamic: Sequence) -> tuple[Any, dict[str, Any]]:
+def _evaluate(entry: _Entry, dynamic: Sequence, ran: bool) -> tuple[Any, dict[str, Any]]:
     flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
     if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
         flat = list(flat)
         for i, dtype in entry.literals:
             flat[i] = jnp.asarray(flat[i], dtype)
     n = entry.num_out
-    inters = _name(entry.metas, flat[n:])
+    inters = _name(entry.metas, flat[n:], ran)
     return _unflatten_out(entry, flat[:n]), inters
 
 
-def _summarized(entry: _Entry, summarize: Callable) -> Callable:
+def _summarized(entry: _Entry, summarize: Callable, ran: bool) -> Callable:
     """One compiled program that runs the function and summarises every intermediate, so that
     only the summaries leave the device."""
-    compiled = entry.summarized.get(summarize)
+    compiled = entry.summarized.get((summarize, ran))
     if compiled is None:
 
         def run(*dynamic):
-            out, inters = _evaluate(entry, dynamic)
+            out, inters = _evaluate(entry, dynamic, ran)
             return out, {key: summarize(value) for key, value in inters.items()}
 
-        compiled = entry.summarized[summarize] = eqx.filter_jit(run)
+        compiled = entry.summarized[summarize, ran] = eqx.filter_jit(run)
     return compiled
 
 
@@ -212,9 +213,10 @@ def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
     return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
 
 
-def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
+def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False) -> dict[str, Any]:
     """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
-    reduced name is one entry, keyed by the name itself."""
+    reduced name is one entry, keyed by the name itself. With `ran`, a `"stack"` or
+    `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran."""
     counts: dict[str, int] = {}
     inters: dict[str, Any] = {}
     sites: dict[str, StateMeta] = {}
@@ -226,20 +228,27 @@ def _name(metas: Sequence[StateMeta], flat: Sequence) -> dict[str, Any]:
         if meta.reduce is None:
             n = counts.get(meta.name, 0)
             counts[meta.name] = n + 1
-            key = f"{meta.name}_{n}"
+            entries = [(f"{meta.name}_{n}", meta.unflatten(leaves))]
         else:
-            key = meta.name
-            leaves = _reduce.finalize(meta, leaves)
-        if key in sites:
-            raise KeyCollisionError(key, sites[key], meta)
-        sites[key] = meta
-        inters[key] = meta.unflatten(leaves)
+            entries = [(meta.name, meta.unflatten(_reduce.finalize(meta, leaves)))]
+            if ran and meta.reduce in ("stack", "collect"):
+                entries.append((meta.name + ".ran", meta.unflatten(_reduce.ran(meta, leaves))))
+        for key, value in entries:
+            if key in sites:
+                raise KeyCollisionError(key, sites[key], meta)
+            sites[key] = meta
+            inters[key] = value
     _remember_origins(inters, {key: meta.location for key, meta in sites.items()})
     return inters
 
 
 def pull(
-    fn: Callable, *, only: Any = None, enabled: bool = True, summarize: Callable | None = None
+    fn: Callable,
+    *,
+    only: Any = None,
+    enabled: bool = True,
+    summarize: Callable | None = None,
+    ran: bool = False,
 ) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
@@ -260,6 +269,11 @@ def pull(
         summarize: a function applied to every intermediate inside the compiled program
             (`stx.stats`, or any function of a pytree); the dict then holds its results, and
             only they leave the device.
+        ran: also return, for every name saved with `reduce="stack"` or `"collect"`, an
+            entry `f"{name}.ran"` of boolean masks with the value's structure: true for each
+            row (`"stack"`: shape `(*batch, occurrences)`) or element (`"collect"`: the
+            value's shape) that comes from an occurrence that ran, false where it is the zeros
+            of an occurrence that did not (a `cond` branch not taken).
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
@@ -278,7 +292,7 @@ def pull(
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Pulled(fn, _selection(only), bool(enabled), summarize)
+    return _Pulled(fn, _selection(only), bool(enabled), summarize, bool(ran))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,9 @@ branches), folds into one *accumulator*, in program order:
   `while_loop` they are a running value in the loop's carry: no per-iteration storage;
 * `"stack"` keeps the occurrences stacked along an occurrence axis (after any batch axes);
 * `"collect"` ravels each occurrence and concatenates them (learned_optimization's `collect`).
+  Under `jit` their length is fixed when the program is traced, so an occurrence that did not
+  run (a `cond` branch not taken) is a row (or run of elements) of zeros; each leaf keeps a
+  boolean mask beside it, true where an occurrence ran (`pull(fn, ran=True)` returns it).
 
 `finalize` turns an accumulator into the value `pull` returns. A name none of whose
 occurrences ran gives zeros.
@@ -36,6 +39,7 @@ __all__ = [
     "fold_axis",
     "identity",
     "merge",
+    "ran",
     "running",
     "to_accumulator",
 ]
@@ -50,15 +54,18 @@ def to_accumulator(meta: StateMeta, leaves: Sequence) -> tuple[StateMeta, list]:
     b = meta.batch_ndim
     if meta.reduce == "stack":
         acc = [jnp.expand_dims(x, b) for x in leaves]
+        acc += [jnp.ones((*jnp.shape(x)[:b], 1), bool) for x in leaves]  # one per row
     elif meta.reduce == "collect":
         acc = [jnp.reshape(x, (*jnp.shape(x)[:b], -1)) for x in leaves]
+        acc += [jnp.ones(jnp.shape(x), bool) for x in acc]  # one per element
     else:
         acc = [*leaves, *(jnp.ones(jnp.shape(x), jnp.int32) for x in leaves)]
     return dataclasses.replace(meta, accumulator=True), acc
 
 
 def identity(meta: StateMeta, avals: Sequence) -> list:
-    """The accumulator of no occurrence, with the leaves' avals (zeros, counts of zero)."""
+    """The accumulator of no occurrence, with the leaves' avals (zeros, counts of zero, masks
+    that are all false)."""
     return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
 
@@ -155,11 +162,17 @@ def across_shards(meta: StateMeta, leaves: Sequence, axes: tuple) -> list:
     return [*out, *total]
 
 
+def ran(meta: StateMeta, leaves: Sequence) -> list:
+    """The masks of a `"stack"` or `"collect"` accumulator: per leaf, true where an occurrence
+    ran (`"stack"`: shape `(*batch, occurrences)`; `"collect"`: the value's shape)."""
+    return list(_split(meta, leaves)[1])
+
+
 def finalize(meta: StateMeta, leaves: Sequence) -> list:
     """The values `pull` returns for an accumulator."""
-    if meta.reduce in ("stack", "collect"):
-        return list(leaves)
     values, counts = _split(meta, leaves)
+    if meta.reduce in ("stack", "collect"):
+        return list(values)
     out = []
     for v, n in zip(values, counts, strict=True):
         if meta.reduce == "sum":

@@ -123,6 +123,83 @@ def test_cond_branch_not_taken_contributes_nothing():
     )
 
 
+def _stack_and_collect_in_cond(x, p):
+    """`x * 1` always, `x * 2` in the branch taken when `p`, `x * 3` always; per occurrence a
+    pytree of two leaves, so masks follow the value's structure."""
+
+    def save(v, mode):
+        return stx.save_inter({"a": v, "b": jnp.stack([v, -v])}, name=mode, reduce=mode)
+
+    for mode in ("stack", "collect"):
+        save(x * 1, mode)
+        lax.cond(p, lambda v: save(v * 2, mode)["a"], lambda v: v, x)
+        save(x * 3, mode)
+    return x
+
+
+def _stack_and_collect_by_hand(x, p):
+    rows = [x * 1, jnp.where(p, x * 2, 0.0), x * 3]
+    ran = jnp.array([True, p, True])
+    a, b = jnp.stack(rows), jnp.stack([jnp.stack([r, -r]) for r in rows])
+    return {
+        "stack": {"a": a, "b": b},
+        "stack.ran": {"a": ran, "b": ran},
+        "collect": {"a": a.reshape(-1), "b": b.reshape(-1)},
+        "collect.ran": {"a": ran, "b": jnp.repeat(ran, 2)},
+    }
+
+
+@pytest.mark.parametrize("p", [True, False])
+def test_stack_and_collect_zero_rows_of_branches_not_taken_and_say_so(p):
+    x = jnp.float32(1.5)
+    expected = _stack_and_collect_by_hand(x, p)
+    for f in (_stack_and_collect_in_cond, jax.jit(_stack_and_collect_in_cond)):
+        assert_tree_allclose(stx.pull(f, ran=True)(x, p)[1], expected)
+    assert_tree_allclose(  # under jit, with a traced predicate
+        jax.jit(stx.pull(_stack_and_collect_in_cond, ran=True))(x, jnp.bool_(p))[1], expected
+    )
+    # Without ran=True, the values alone, as before.
+    only_values = {k: v for k, v in expected.items() if not k.endswith(".ran")}
+    assert_tree_allclose(stx.pull(_stack_and_collect_in_cond)(x, p)[1], only_values)
+    # Under an inner grad, the primal values and the same masks.
+    grad_f = jax.grad(lambda x, p: _stack_and_collect_in_cond(x, p) ** 2)
+    assert_tree_allclose(stx.pull(grad_f, ran=True)(x, p)[1], expected)
+
+
+def test_stack_and_collect_masks_per_example_under_vmap_both_orders():
+    xs, ps = jnp.array([1.5, -2.0]), jnp.array([True, False])
+    expected = jax.vmap(_stack_and_collect_by_hand)(xs, ps)
+    f = _stack_and_collect_in_cond
+    assert_tree_allclose(stx.pull(jax.vmap(f), ran=True)(xs, ps)[1], expected)
+    assert_tree_allclose(jax.vmap(stx.pull(f, ran=True))(xs, ps)[1], expected)
+
+
+def test_stack_masks_in_a_scan_of_conds():
+    def f(xs):
+        def body(c, x):
+            lax.cond(x > 0, lambda: stx.save_inter(x, name="pos", reduce="stack"), lambda: x)
+            return c, None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    xs = jnp.array([1.0, -2.0, 3.0])
+    _, inters = stx.pull(f, ran=True)(xs)
+    assert_tree_allclose(
+        inters, {"pos": jnp.array([1.0, 0.0, 3.0]), "pos.ran": jnp.array([True, False, True])}
+    )
+
+
+def test_a_mask_key_that_a_user_name_takes_is_a_collision():
+    def f(x):
+        stx.save_inter(x, name="s", reduce="stack")
+        stx.save_inter(x, name="s.ran", reduce="sum")
+        return x
+
+    assert set(stx.pull(f)(1.0)[1]) == {"s", "s.ran"}
+    with pytest.raises(stx.KeyCollisionError, match="s.ran"):
+        stx.pull(f, ran=True)(1.0)
+
+
 def test_a_name_that_never_ran_gives_zeros():
     def f(x):
         lax.while_loop(lambda c: c < 0, lambda c: stx.save_inter(c, name="m", reduce="mean"), x)
