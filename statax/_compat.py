@@ -275,6 +275,8 @@ class ScanParts(NamedTuple):
 # JAX 0.11 replaced scan's `num_consts`/`num_carry` (and, in 0.8 -- 0.9, `linear` and
 # `_split_transpose`) by `ft_in`/`ft_out`: `FlatTree`s of (consts, carry, xs) and (carry, ys).
 _SCAN_FLAT_TREES = JAX_VERSION >= (0, 11)
+if _SCAN_FLAT_TREES:
+    from jax._src import flattree as ft  # JAX 0.11+
 
 
 def scan_parts(params: dict) -> ScanParts:
@@ -302,8 +304,6 @@ def scan_params(params: dict, parts: ScanParts) -> dict:
     num_ys = len(jaxpr.out_avals) - num_carry
     new = dict(params, jaxpr=jaxpr, length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
     if _SCAN_FLAT_TREES:  # JAX 0.11+
-        from jax._src import flattree as ft
-
         new["ft_in"] = ft.pack((ft.nones(num_consts), ft.nones(num_carry), ft.nones(num_xs)))
         new["ft_out"] = ft.pack((ft.nones(num_carry), ft.nones(num_ys)))
         return new
@@ -352,7 +352,6 @@ def jit_params(params: dict, jaxpr: jex.ClosedJaxpr) -> dict:
     )
 
 
-# The inner function of the call-like primitives: (param name, whether it is a ClosedJaxpr).
 def call_jaxpr(params: dict):
     """The function of a `closed_call`/`call`/`checkpoint` equation (closed or open jaxpr)."""
     return params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
@@ -416,7 +415,7 @@ except ImportError:  # JAX 0.8 -- 0.10
 
 def hi_jaxprs(params: dict) -> list:
     """The jaxprs a `call_hi_primitive` equation holds in its object's params."""
-    return [j for j in jaxprs_in_params(params["_prim"].params)]
+    return list(jaxprs_in_params(params["_prim"].params))
 
 
 def hi_expand(params: dict) -> Callable:

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 
+import jax
 from jax.extend import core as jex
 
 from . import _compat, _reduce
@@ -42,6 +43,7 @@ __all__ = [
     "find_saves",
     "pull_jaxpr",
     "pull_open_jaxpr",
+    "pulled_beside",
     "register_handler",
     "with_extra_outputs",
 ]
@@ -371,6 +373,16 @@ def _inert_param(value):
         items = [_inert_param(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
+
+
+def pulled_beside(closed_jaxpr, args: Sequence) -> tuple[list, tuple[StateMeta, ...]]:
+    """The intermediates of `closed_jaxpr` on `args`, for a handler that keeps its equation
+    (with `inert` marks, so its own rules govern derivatives) and runs the pulled function
+    beside it behind `stop_gradient`: `(leaves, metas)`. Once compiled, XLA computes the
+    shared work once in straight-line code."""
+    pulled, metas = pull_jaxpr(closed_jaxpr)
+    frozen = [jax.lax.stop_gradient(x) for x in args]
+    return jex.jaxpr_as_fun(pulled)(*frozen)[len(closed_jaxpr.out_avals) :], metas
 
 
 def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:

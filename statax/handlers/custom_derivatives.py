@@ -13,22 +13,17 @@ marks are collected where they run.
 
 from __future__ import annotations
 
-import jax
-from jax.extend import core as jex
 from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p
 
 from .. import _compat
-from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_handler
+from .._interpreter import handler_from_exposer, inert, pulled_beside, register_handler
 
 
 def _exposer(primitive):
     def exposer(*args, **params):
         primal = _compat.custom_primal(params)
         outs = _compat.bind(primitive, args, _compat.custom_params(params, inert(primal)))
-        pulled, metas = pull_jaxpr(primal)
-        frozen = [jax.lax.stop_gradient(x) for x in args]
-        leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(primal.out_avals) :]
-        return outs, leaves, metas
+        return outs, *pulled_beside(primal, args)
 
     return exposer
 

@@ -10,10 +10,9 @@ inputs behind `stop_gradient` and provides the intermediates.
 from __future__ import annotations
 
 import jax
-from jax.extend import core as jex
 
 from .. import _compat
-from .._interpreter import find_saves, handler_from_exposer, pull_jaxpr, register_handler
+from .._interpreter import find_saves, handler_from_exposer, pulled_beside, register_handler
 
 
 def _find(eqn):
@@ -23,10 +22,7 @@ def _find(eqn):
 def _hi_exposer(*args, **params):
     outs = _compat.bind(_compat.HI_PRIMITIVE, args, params)
     expanded = _compat.trace(_compat.hi_expand(params), [jax.typeof(x) for x in args], "expand")
-    pulled, metas = pull_jaxpr(expanded)
-    frozen = [jax.lax.stop_gradient(x) for x in args]
-    leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(outs) :]
-    return outs, leaves, metas
+    return outs, *pulled_beside(expanded, args)
 
 
 if _compat.HI_PRIMITIVE is not None:  # JAX 0.11+

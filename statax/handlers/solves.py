@@ -9,12 +9,10 @@ differentiation, where JAX builds a new `custom_linear_solve` that this handler 
 
 from __future__ import annotations
 
-import jax
-from jax.extend import core as jex
 from jax.extend.core.primitives import linear_solve_p
 
 from .. import _compat
-from .._interpreter import handler_from_exposer, inert, pull_jaxpr, register_handler
+from .._interpreter import handler_from_exposer, inert, pulled_beside, register_handler
 
 
 def _linear_solve_exposer(*args, **params):
@@ -24,10 +22,7 @@ def _linear_solve_exposer(*args, **params):
     start = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[start : start + const_lengths.solve]
     b = args[sum(const_lengths) :]
-    pulled, metas = pull_jaxpr(jaxprs.solve)
-    frozen = [jax.lax.stop_gradient(x) for x in (*solve_consts, *b)]
-    leaves = jex.jaxpr_as_fun(pulled)(*frozen)[len(jaxprs.solve.out_avals) :]
-    return outs, leaves, metas
+    return outs, *pulled_beside(jaxprs.solve, (*solve_consts, *b))
 
 
 def _inert(jaxpr):
