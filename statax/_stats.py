@@ -103,13 +103,13 @@ def _leaf_stats(x, format):
     finite = jnp.isfinite(v)
     n = jnp.maximum(v.size - nan_count - inf_count, 1).astype(jnp.float32)
     safe = jnp.where(finite, v, 0)
-    total, squares = jnp.sum(safe), jnp.sum(safe * safe)
+    squares = jnp.sum(safe * safe)
     low = jnp.min(jnp.where(finite, v, jnp.inf))
     high = jnp.max(jnp.where(finite, v, -jnp.inf))
-    mean = total / n
+    mean, std = _mean_std(v, finite, n, low, high)
     out = {
         "mean": mean,
-        "std": jnp.sqrt(jnp.maximum(squares / n - mean * mean, 0)),
+        "std": std,
         "min": low,
         "max": high,
         "rms": jnp.sqrt(squares / n),
@@ -128,6 +128,20 @@ def _leaf_stats(x, format):
     return out
 
 
+def _mean_std(v, finite, n, low, high):
+    """Mean and standard deviation over the finite values, stable in float32 whatever the
+    offset and scale: shifted to the midrange (exact for values close together) and divided by
+    the half-range, then two passes, so nothing like `E[x**2] - mean**2` cancels and no square
+    underflows or overflows."""
+    shift = jnp.where(jnp.isfinite(low + high), low / 2 + high / 2, 0).astype(v.dtype)
+    half = high / 2 - low / 2
+    scale = jnp.where(jnp.isfinite(half) & (half > 0), half, 1).astype(v.dtype)
+    d = jnp.where(finite, (v - shift) / scale, 0)
+    mean_d = jnp.sum(d) / n
+    centred = jnp.where(finite, d - mean_d, 0)
+    return shift + scale * mean_d, scale * jnp.sqrt(jnp.sum(centred * centred) / n)
+
+
 def _format_counts(a, finite, format):
     info = ml_dtypes.finfo(jnp.dtype(format))
     return {
@@ -138,19 +152,23 @@ def _format_counts(a, finite, format):
 
 def _wide_stats(v, dtype, lo, hi, format):
     finite = jnp.isfinite(v)
-    n = jnp.maximum(jnp.sum(finite), 1)
+    n = jnp.maximum(jnp.sum(finite), 1).astype(v.dtype)
     safe = jnp.where(finite, v, 0)
-    mean = jnp.sum(safe) / n
+    low = jnp.min(jnp.where(finite, v, jnp.inf))
+    high = jnp.max(jnp.where(finite, v, -jnp.inf))
+    mean, std = _mean_std(v, finite, n, low, high)
     a = jnp.abs(safe)
     nonzero = finite & (v != 0)
     _, exponent = jnp.frexp(jnp.where(nonzero, a, 1))
     bins = jnp.clip(exponent - 1 - lo, 0, hi - lo)
-    counts = jnp.zeros(hi - lo + 1, jnp.int32).at[bins.ravel()].add(nonzero.ravel().astype(int))
+    counts = (
+        jnp.zeros(hi - lo + 1, jnp.int32).at[bins.ravel()].add(nonzero.ravel().astype(jnp.int32))
+    )
     out = {
         "mean": mean,
-        "std": jnp.sqrt(jnp.sum(jnp.where(finite, (v - mean) ** 2, 0)) / n),
-        "min": jnp.min(jnp.where(finite, v, jnp.inf)),
-        "max": jnp.max(jnp.where(finite, v, -jnp.inf)),
+        "std": std,
+        "min": low,
+        "max": high,
         "rms": jnp.sqrt(jnp.sum(safe**2) / n),
         "max_abs": jnp.max(a),
         "zero_fraction": jnp.mean(v == 0),

@@ -44,6 +44,31 @@ def test_stats_of_integers_and_bfloat16():
     assert np.asarray(s["dtype"]).dtype == jnp.bfloat16 and float(s["mean"]) == 1.5
 
 
+@pytest.mark.parametrize(
+    "offset, spread, n, dtype",
+    [
+        (1.0, 1e-4, 65536, np.float32),  # E[x**2] - mean**2 gave 0.0
+        (1000.0, 0.01, 4096, np.float32),  # ... and 0.225
+        (-3e4, 0.5, 10000, np.float32),
+        (1e6, 1.0, 1000, np.float32),
+        (0.0, 1e-30, 1000, np.float32),  # tiny values, no offset
+        (100.0, 0.5, 4096, jnp.bfloat16),
+        (500.0, 0.25, 4096, np.float16),
+        (1e8, 1e-3, 1000, np.float64),
+    ],
+)
+def test_stats_mean_and_std_are_stable(offset, spread, n, dtype):
+    rng = np.random.default_rng(0)
+    x = (offset + spread * rng.standard_normal(n)).astype(dtype)
+    x[::97] = np.nan  # non-finite values are left out, and must not disturb the rest
+    exact = x.astype(np.float64)
+    exact = exact[np.isfinite(exact)]
+    with jax.enable_x64(dtype is np.float64):
+        s = jax.jit(stx.stats)(jnp.asarray(x))
+        np.testing.assert_allclose(s["std"], exact.std(), rtol=2e-3)
+        np.testing.assert_allclose(s["mean"], exact.mean(), rtol=1e-6, atol=1e-3 * exact.std())
+
+
 def model(x):
     h = stx.save_inter(jnp.tanh(x @ jnp.ones((16, 32))), name="hidden")
     return jnp.sum(stx.save_inter(h * 2, name="double"))
