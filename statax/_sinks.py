@@ -28,8 +28,9 @@ class TensorBoardWriter:
 
     Scalar statistics go out as scalars tagged `"{tensor_type}/{name}/{stat}"`; the exponent
     histogram of each tensor as a TensorBoard histogram tagged
-    `"{tensor_type}/{name}/exponents"`, with bucket edges at powers of two. `histogram` logs
-    raw values.
+    `"{tensor_type}/{name}/exponents"` whose x axis is the base-2 exponent: the bucket
+    `[n, n + 1)` counts the values with magnitude in `[2**n, 2**(n+1))`, so that TensorBoard's
+    linear re-binning keeps the exponent structure. `histogram` logs raw values.
 
     Args:
         logdir: the directory of the event files (one run).
@@ -98,23 +99,24 @@ class TensorBoardWriter:
             exps = {k: v for k, v in record["exponent_counts"].items() if isinstance(k, int)}
             if not any(exps.values()):
                 continue
-            keys = sorted(exps)
-            used = [k for k in keys if exps[k]]
-            keys = keys[keys.index(used[0]) : keys.index(used[-1]) + 1]
-            st = record["scalar_stats"]
-            num = sum(exps[k] for k in keys)
+            used = sorted(k for k, v in exps.items() if v)
+            keys = range(used[0], used[-1] + 1)
+            # The histogram's x axis is the exponent itself: bucket k is [k, k + 1) and holds
+            # the values in [2**k, 2**(k+1)). TensorBoard re-bins linearly, which would flatten
+            # edges at the powers of two themselves.
+            counts = [exps.get(k, 0) for k in keys]
             stats = (
-                2.0 ** keys[0],
-                2.0 ** (keys[-1] + 1),
-                num,
-                st.get("mean", 0) * num,
-                st.get("rms", 0) ** 2 * num,
+                keys[0],
+                keys[-1] + 1,
+                sum(counts),
+                sum(k * c for k, c in zip(keys, counts)),
+                sum(k * k * c for k, c in zip(keys, counts)),
             )
             self._histogram(
                 f"{record['tensor_type']}/{record['name']}/exponents",
                 step,
-                [2.0 ** (k + 1) for k in keys],
-                [exps[k] for k in keys],
+                [k + 1 for k in keys],
+                counts,
                 stats=stats,
             )
 
@@ -137,10 +139,19 @@ def to_dataframe(records: Sequence[dict]):
         row.update({("exponent_counts", k): v for k, v in record["exponent_counts"].items()})
         rows.append(row)
     frame = pd.DataFrame(rows)
+    exponent_cols = sorted(
+        (c for c in frame.columns if c[0] == "exponent_counts"), key=_exponent_order
+    )
+    frame = frame[[c for c in frame.columns if c[0] != "exponent_counts"] + exponent_cols]
     frame.columns = pd.MultiIndex.from_tuples(frame.columns)
-    exponent_cols = [c for c in frame.columns if c[0] == "exponent_counts"]
     frame[exponent_cols] = frame[exponent_cols].fillna(0).astype("int64")
     return frame
+
+
+def _exponent_order(column) -> float:
+    """`-inf` (underflow) first, then the exponents in increasing order, then `+inf`."""
+    key = column[1]
+    return float(key) if isinstance(key, str) else key
 
 
 def _pyplot():

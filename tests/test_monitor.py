@@ -149,9 +149,12 @@ def test_tracker_and_tensorboard_files_read_back_with_tensorboard(tmp_path):
     first = next(r for r in tracker.records if r["name"] == "act_0" and r["step"] == 0)
     np.testing.assert_allclose(rms[0].value, first["scalar_stats"]["rms"], rtol=1e-6)
     histogram = accumulator.Histograms("Activation/act_0/exponents")[0].histogram_value
-    assert sum(histogram.bucket) == sum(
-        v for k, v in first["exponent_counts"].items() if isinstance(k, int)
-    )
+    exps = {k: v for k, v in first["exponent_counts"].items() if isinstance(k, int) and v}
+    # The x axis is the exponent: bucket [n, n + 1) holds the count of exponent n.
+    lefts = [histogram.min, *histogram.bucket_limit[:-1]]
+    got = {int(left): int(c) for left, c in zip(lefts, histogram.bucket) if c}
+    assert got == exps
+    assert histogram.min == min(exps) and histogram.max == max(exps) + 1
 
 
 def test_dataframe_in_tandv_schema(tmp_path):
@@ -163,6 +166,8 @@ def test_dataframe_in_tandv_schema(tmp_path):
     exponents = frame["exponent_counts"].columns
     assert "-inf" in exponents and "+inf" in exponents
     assert any(isinstance(c, int) for c in exponents)
+    ints = [c for c in exponents if isinstance(c, int)]
+    assert list(exponents) == ["-inf", *sorted(ints), "+inf"]
     assert (frame["exponent_counts"].dtypes == "int64").all()
     for dtype in frame[("metadata", "dtype")]:
         ml_dtypes.finfo(dtype)  # parseable, as tandv requires
