@@ -11,6 +11,7 @@ on the version or on behaviour says, in a comment, which versions each side cove
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
 from jax._src import config as jax_config  # isort: skip
-from jax._src import core, source_info_util  # isort: skip
+from jax._src import core, dispatch, source_info_util  # isort: skip
 from jax._src import effects as effects_lib  # isort: skip
 from jax._src import linear_util as lu  # isort: skip
 from jax._src.interpreters import ad, batching, mlir  # isort: skip
@@ -486,6 +487,59 @@ def equinox_noinline():
         return call
 
     return _noinline.noinline_p, fn_of
+
+
+SymbolicZero = jax.custom_derivatives.SymbolicZero
+
+
+def runs_python(eqn: jex.JaxprEqn) -> bool:
+    """Whether `eqn`'s primitive may run Python code from its params when it is evaluated or
+    lowered: its impl is its own Python function (not JAX's `apply_primitive`, which compiles
+    the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
+    equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
+    shows. Host callbacks are left out: they run on the host, on values."""
+    impl = eqn.primitive.impl
+    if impl is None or eqn.primitive.name in _HOST_CALLBACKS:
+        return False
+    if isinstance(impl, functools.partial) and impl.func is dispatch.apply_primitive:
+        return False
+    return any(_holds_callable(v) for v in eqn.params.values())
+
+
+_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
+
+
+def _holds_callable(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_callable(v) for v in value)
+    return callable(value) and not isinstance(
+        value, (type, jex.Primitive, jex.Jaxpr, jex.ClosedJaxpr)
+    )
+
+
+def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
+    """Run `eqn`'s primitive's impl rule on `args` (as its lowering does for a primitive whose
+    lowering is `mlir.lower_fun(impl)`). For an equinox `vprim` this is the impl its lowering
+    and its derived batching rule use (lineax's rebinds `impl` to one that refuses batching)."""
+    impl = _equinox_vprim_impls().get(eqn.primitive, eqn.primitive.impl)
+    return list(impl(*args, **eqn.params))
+
+
+def _equinox_vprim_impls() -> dict:
+    from equinox.internal import _primitive
+
+    return _primitive._vprim_impl_registry
+
+
+def is_equinox_primitive(eqn: jex.JaxprEqn) -> bool:
+    """Whether `eqn` is of an equinox filter primitive or `vprim` (`equinox.internal`), such
+    as lineax's `linear_solve`: its impl is Python, its lowering `mlir.lower_fun(impl)`, and
+    its functions live in the `static` param (equinox 0.13, `equinox.internal._primitive`)."""
+    from equinox.internal import _primitive
+
+    return isinstance(eqn.params.get("flatten"), _primitive.Flatten) or (
+        eqn.primitive in _equinox_vprim_impls()
+    )
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

@@ -24,12 +24,18 @@ def _where(metas: Sequence[StateMeta]) -> str:
 class UnhandledPrimitiveError(NotImplementedError):
     """A higher-order primitive without a handler holds a `save_inter`."""
 
-    def __init__(self, primitive, metas: Sequence[StateMeta]):
+    def __init__(self, primitive, metas: Sequence[StateMeta], in_rules: bool = False):
         self.primitive = primitive
         self.metas = tuple(metas)
+        where = (
+            "whose rules run Python code that calls save_inter (they would run it when the "
+            "program is evaluated or compiled, where no pull can collect it): "
+            if in_rules
+            else "whose inner jaxpr holds save_inter "
+        )
         super().__init__(
-            f"statax.pull cannot look inside the primitive `{primitive}`, whose inner jaxpr "
-            f"holds save_inter {_where(self.metas)}.\n"
+            f"statax.pull cannot look inside the primitive `{primitive}`, {where}"
+            f"{_where(self.metas)}.\n"
             f"To fix: register a handler with `statax.register_handler({primitive}_p, handler)` "
             "(see 'Writing a handler' in the docs), or move the save_inter out of the "
             f"`{primitive}`."

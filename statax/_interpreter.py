@@ -20,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex
 
 from . import _compat, _reduce
@@ -41,11 +44,15 @@ __all__ = [
     "register_exposer",
     "split_leaves",
     "find_saves",
+    "find_saves_in_impl",
     "pull_jaxpr",
     "pull_open_jaxpr",
-    "pulled_beside",
+    "pulled_with_rule",
+    "register_family",
     "register_handler",
+    "traced_impl",
     "with_extra_outputs",
+    "zero_tangent",
 ]
 
 Handler: TypeAlias = Callable[[jex.JaxprEqn], tuple[jex.JaxprEqn, tuple[StateMeta, ...]]]
@@ -54,6 +61,9 @@ _HANDLERS: dict[jex.Primitive, Handler] = {}
 
 
 _FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
+
+# Handlers for families of primitives, recognised by their equations: (matches, handler, finder).
+_FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None]] = []
 
 
 def register_handler(
@@ -101,6 +111,32 @@ def register_handler(
         return h
 
     return register if handler is None else register(handler)
+
+
+def register_family(
+    matches: Callable[[jex.JaxprEqn], bool],
+    handler: Handler,
+    *,
+    find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
+) -> None:
+    """`register_handler` for a family of primitives that is open-ended (every equinox filter
+    primitive, whichever library defines it): `handler` (and `find_saves`) serve every
+    equation of a primitive with no handler of its own for which `matches(eqn)` is true."""
+    _FAMILIES.append((matches, handler, find_saves))
+    _SAVES.clear()
+    _PULLED.clear()
+    _PULLED_OPEN.clear()
+
+
+def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
+    """`(handler, finder)` for `eqn`: its primitive's, else its family's, else `(None, None)`."""
+    handler = _HANDLERS.get(eqn.primitive)
+    if handler is not None:
+        return handler, _FINDERS.get(eqn.primitive)
+    for matches, handler, finder in _FAMILIES:
+        if matches(eqn):
+            return handler, finder
+    return None, None
 
 
 # ---- finding marks -------------------------------------------------------------------------
@@ -159,10 +195,47 @@ def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
-    finder = _FINDERS.get(eqn.primitive)
+    _, finder = _rules_for(eqn)
     if finder is not None:
         return tuple(finder(eqn))
-    return tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
+    found = tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
+    if found or not _compat.runs_python(eqn):
+        return found
+    return find_saves_in_impl(eqn)
+
+
+# Equations whose impl was traced to look for marks, and what it gave (bounded; the equation is
+# held so that its id is not reused).
+_IMPLS: OrderedDict = OrderedDict()
+
+
+def traced_impl(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
+    """`eqn`'s primitive's impl rule traced at its input types, with marks collectable (as a
+    `pull` traces them), or `None` where the impl cannot be traced abstractly. For primitives
+    whose rules run Python code from their params: the marks of that code show up here."""
+    key = id(eqn)
+    hit = _IMPLS.get(key)
+    if hit is not None and hit[0] is eqn:
+        return hit[1]
+    try:
+        with _compat.PULLING(True):
+            closed = _compat.trace(
+                lambda *args: _compat.run_impl(eqn, args),
+                [x.aval for x in eqn.invars],
+                name=str(eqn.primitive),
+            )
+    except Exception:  # not traceable abstractly: its rules cannot hold marks we could see
+        closed = None
+    _IMPLS[key] = (eqn, closed)
+    if len(_IMPLS) > 256:
+        _IMPLS.popitem(last=False)
+    return closed
+
+
+def find_saves_in_impl(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+    """The marks that `eqn`'s impl rule runs (see `traced_impl`)."""
+    closed = traced_impl(eqn)
+    return () if closed is None else find_saves(closed)
 
 
 # ---- the walk ------------------------------------------------------------------------------
@@ -243,9 +316,10 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
         if not inner:
             eqns.append(eqn)
             continue
-        handler = _HANDLERS.get(eqn.primitive)
+        handler, _ = _rules_for(eqn)
         if handler is None:
-            raise UnhandledPrimitiveError(eqn.primitive, inner)
+            in_rules = not any(_compat.jaxprs_in_params(eqn.params))
+            raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)
         with _compat.user_context(eqn):
             new_eqn, new_metas = handler(eqn)
         _check_handler_result(eqn, new_eqn, new_metas)
@@ -375,14 +449,53 @@ def _inert_param(value):
     return value
 
 
-def pulled_beside(closed_jaxpr, args: Sequence) -> tuple[list, tuple[StateMeta, ...]]:
-    """The intermediates of `closed_jaxpr` on `args`, for a handler that keeps its equation
-    (with `inert` marks, so its own rules govern derivatives) and runs the pulled function
-    beside it behind `stop_gradient`: `(leaves, metas)`. Once compiled, XLA computes the
-    shared work once in straight-line code."""
-    pulled, metas = pull_jaxpr(closed_jaxpr)
-    frozen = [jax.lax.stop_gradient(x) for x in args]
-    return jex.jaxpr_as_fun(pulled)(*frozen)[len(closed_jaxpr.out_avals) :], metas
+def pulled_with_rule(
+    original: Callable, primal: jex.ClosedJaxpr, args: Sequence
+) -> tuple[list, list, tuple[StateMeta, ...]]:
+    """`(outs, leaves, metas)` for an equation with rules of its own (custom derivatives,
+    linear solves, hijax and equinox primitives), computed once by its pulled `primal`.
+
+    `original(*args)` binds the equation as it was (its marks inert); `primal` is a jaxpr that
+    computes the same outputs from the same `args` and holds the marks. The result is a
+    `jax.custom_jvp` whose primal is the pulled `primal` (so a loop inside runs once, as
+    unpulled) and whose rule is `original`'s own, so derivatives (and their transposes) are
+    the equation's; the intermediates get zero tangents. Only when differentiated does the
+    pulled primal also run, behind `stop_gradient`, beside the original rule.
+    """
+    pulled, metas = pull_jaxpr(primal)
+    n = len(primal.out_avals)
+    run_pulled = jex.jaxpr_as_fun(pulled)
+
+    @jax.custom_jvp
+    def run(*args):
+        return tuple(run_pulled(*args))
+
+    def run_jvp(primals, tangents):
+        # Differentiate `original` only where a tangent is not a symbolic zero: the other
+        # inputs (a solver's state, say) are constants to it, as they were to the equation.
+        live = [not isinstance(t, _compat.SymbolicZero) for t in tangents]
+
+        def of_live(*xs):
+            it = iter(xs)
+            return original(*[next(it) if a else p for p, a in zip(primals, live, strict=True)])
+
+        pick = [i for i, a in enumerate(live) if a]
+        outs, out_tangents = jax.jvp(
+            of_live, [primals[i] for i in pick], [tangents[i] for i in pick]
+        )
+        saved = run_pulled(*map(jax.lax.stop_gradient, primals))[n:]
+        return (*outs, *saved), (*out_tangents, *map(zero_tangent, saved))
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    flat = run(*args)
+    return list(flat[:n]), list(flat[n:]), metas
+
+
+def zero_tangent(x):
+    """The zero tangent of a value: zeros of its dtype, or `float0` zeros for an integer."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:

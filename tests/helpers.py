@@ -22,3 +22,24 @@ def twice_call(f, x):
     """`f(f(x))`, staged as one `twice_call` equation holding `f`'s jaxpr."""
     (out,) = twice_call_p.bind(x, jaxpr=jax.make_jaxpr(lambda y: [f(y)])(x))
     return out
+
+
+# A primitive that keeps a Python function in its params and runs it in its impl and lowering
+# (as equinox's filter primitives do): no jaxpr shows what the function does.
+python_call_p = Primitive("python_call")
+python_call_p.multiple_results = True
+
+
+def _python_impl(x, *, fn):
+    return [fn(x)]
+
+
+python_call_p.def_impl(_python_impl)
+python_call_p.def_abstract_eval(lambda aval, *, fn: [aval])
+mlir.register_lowering(python_call_p, mlir.lower_fun(_python_impl, multiple_results=True))
+
+
+def python_call(fn, x):
+    """`fn(x)`, staged as one `python_call` equation whose params hold `fn` itself."""
+    (out,) = python_call_p.bind(x, fn=fn)
+    return out

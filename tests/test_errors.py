@@ -7,7 +7,7 @@ import pytest
 import statax as stx
 from statax.testing import assert_tree_allclose
 
-from .helpers import twice_call, twice_call_p
+from .helpers import python_call, python_call_p, twice_call, twice_call_p
 
 
 def mark_inside(x):
@@ -36,6 +36,24 @@ def test_unhandled_primitive_without_marks_is_left_alone():
         return stx.save_inter(twice_call(lambda y: y * 3, x), name="after")
 
     assert_tree_allclose(stx.pull(f)(1.0), (9.0, {"after_0": 9.0}))
+
+
+def test_a_mark_in_python_code_that_a_primitive_runs_is_an_error_not_dropped():
+    # The mark would run when the equation is evaluated or lowered, where no pull sees it:
+    # pull finds it by tracing the primitive's impl, and refuses rather than return {}.
+    def f(x):
+        return python_call(mark_inside, x)
+
+    for g in (stx.pull(f), stx.pull(jax.jit(f)), jax.jit(stx.pull(f))):
+        with pytest.raises(stx.UnhandledPrimitiveError) as info:
+            g(jnp.ones(2))
+        message = str(info.value)
+        assert "`python_call`" in message and "rules run Python code" in message
+        assert re.search(rf"'hidden' at .*test_errors.py:{LINE}", message)
+        assert info.value.primitive is python_call_p
+    # Without a mark in it, the same primitive is left alone.
+    g = lambda x: stx.save_inter(python_call(jnp.sin, x), name="after")  # noqa: E731
+    assert_tree_allclose(stx.pull(g)(1.0), (jnp.sin(1.0), {"after_0": jnp.sin(1.0)}))
 
 
 def test_handler_returning_wrong_number_of_outputs_is_reported():

@@ -1,4 +1,14 @@
-"""Handler for `eqx.internal.noinline`.
+"""Handlers for equinox's own primitives: `eqx.internal.noinline`, and every equinox filter
+primitive or `vprim` (lineax's `linear_solve`, and any other library's).
+
+A filter primitive keeps its functions (a lineax operator's matvec, a solver) as Python objects
+in its `static` param, and runs them in its impl rule, which is also its lowering. No jaxpr
+shows their marks; `pull` finds them by tracing the impl at the equation's input types
+(`traced_impl`). The handler computes the outputs and the intermediates once from that traced
+impl, pulled, and delegates derivatives to the equation itself (`pulled_with_rule`), so the
+primitive's own JVP and transpose rules (lineax's implicit derivatives) keep governing them.
+The same code works whether the function closes over a constant or over a traced array (which
+equinox closure-converts into jaxprs in `static`).
 
 `noinline` keeps the function it calls out of its params (equinox compiles it separately), so
 `pull` cannot see its marks in a jaxpr. This handler rebuilds the function from the equation,
@@ -16,7 +26,17 @@ from __future__ import annotations
 import weakref
 
 from .. import _compat
-from .._interpreter import call_equation, find_saves, pull_jaxpr, register_handler
+from .._interpreter import (
+    call_equation,
+    find_saves,
+    find_saves_in_impl,
+    handler_from_exposer,
+    pull_jaxpr,
+    pulled_with_rule,
+    register_family,
+    register_handler,
+    traced_impl,
+)
 
 _noinline_p, _fn_of = _compat.equinox_noinline()
 _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -40,3 +60,20 @@ def _noinline_handler(eqn):
 
 
 register_handler(_noinline_p, _noinline_handler, find_saves=_find)
+
+
+def _filter_primitive_handler(eqn):
+    impl = traced_impl(eqn)
+
+    def original(*args):
+        return tuple(eqn.primitive.bind(*args, **eqn.params))
+
+    def exposer(*args, **params):
+        return pulled_with_rule(original, impl, args)
+
+    return handler_from_exposer(exposer)(eqn)
+
+
+register_family(
+    _compat.is_equinox_primitive, _filter_primitive_handler, find_saves=find_saves_in_impl
+)

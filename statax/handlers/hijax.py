@@ -2,9 +2,9 @@
 
 A hijax primitive is one `call_hi_primitive` equation whose params hold a Python object with
 its own rules, and the jaxprs it was built from. `pull` looks for marks in those jaxprs. As for
-custom derivatives, the equation is kept, so its own rules keep governing derivatives and
-batching; beside it, its forward computation (the object's `expand`) runs pulled on the same
-inputs behind `stop_gradient` and provides the intermediates.
+custom derivatives (`pulled_with_rule`), its forward computation (the object's `expand`) runs
+pulled, once, and provides the outputs and the intermediates; derivatives delegate to the
+equation itself, so its own rules keep governing them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 
 from .. import _compat
-from .._interpreter import find_saves, handler_from_exposer, pulled_beside, register_handler
+from .._interpreter import find_saves, handler_from_exposer, pulled_with_rule, register_handler
 
 
 def _find(eqn):
@@ -20,9 +20,11 @@ def _find(eqn):
 
 
 def _hi_exposer(*args, **params):
-    outs = _compat.bind(_compat.HI_PRIMITIVE, args, params)
+    def original(*args):
+        return tuple(_compat.bind(_compat.HI_PRIMITIVE, args, params))
+
     expanded = _compat.trace(_compat.hi_expand(params), [jax.typeof(x) for x in args], "expand")
-    return outs, *pulled_beside(expanded, args)
+    return pulled_with_rule(original, expanded, args)
 
 
 if _compat.HI_PRIMITIVE is not None:  # JAX 0.11+

@@ -2,27 +2,36 @@
 
 Reads `jaxprs` and `const_lengths`. The forward computation is `solve(matvec, b)`, so the
 intermediates are the marks of the `solve` function (including those of `matvec` where `solve`
-calls it), evaluated, as for custom derivatives, beside the kept equation behind
-`stop_gradient`. The separate `matvec`, `vecmat` and `transpose_solve` jaxprs run only under
-differentiation, where JAX builds a new `custom_linear_solve` that this handler sees again.
+calls it), computed once by the pulled `solve`, which also gives the outputs; derivatives
+delegate to the equation itself, as for custom derivatives (`pulled_with_rule`). The separate
+`matvec`, `vecmat` and `transpose_solve` jaxprs run only under differentiation, where JAX
+builds a new `custom_linear_solve` that this handler sees again.
 """
 
 from __future__ import annotations
 
+import jax
+from jax.extend import core as jex
 from jax.extend.core.primitives import linear_solve_p
 
 from .. import _compat
-from .._interpreter import handler_from_exposer, inert, pulled_beside, register_handler
+from .._interpreter import handler_from_exposer, inert, pulled_with_rule, register_handler
 
 
 def _linear_solve_exposer(*args, **params):
     jaxprs, const_lengths = _compat.linear_solve_parts(params)
-    inert_jaxprs = type(jaxprs)(*map(_inert, jaxprs))
-    outs = linear_solve_p.bind(*args, **_compat.linear_solve_params(params, inert_jaxprs))
+    kept = _compat.linear_solve_params(params, type(jaxprs)(*map(_inert, jaxprs)))
     start = const_lengths.matvec + const_lengths.vecmat
-    solve_consts = args[start : start + const_lengths.solve]
-    b = args[sum(const_lengths) :]
-    return outs, *pulled_beside(jaxprs.solve, (*solve_consts, *b))
+
+    def original(*args):
+        return tuple(linear_solve_p.bind(*args, **kept))
+
+    def solve(*args):  # what the equation computes: solve(matvec, b)
+        solve_consts = args[start : start + const_lengths.solve]
+        return jex.jaxpr_as_fun(jaxprs.solve)(*solve_consts, *args[sum(const_lengths) :])
+
+    primal = _compat.trace(solve, [jax.typeof(x) for x in args], name="solve")
+    return pulled_with_rule(original, primal, args)
 
 
 def _inert(jaxpr):

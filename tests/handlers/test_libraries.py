@@ -1,0 +1,187 @@
+"""Marks in user code that real libraries call: lineax, diffrax, optimistix.
+
+Each test checks what `pull` returns against what the library itself does (its outputs, its
+statistics, the operator it was given), and that pulling changes neither outputs nor
+derivatives nor the number of loops in the compiled program.
+"""
+
+import re
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import optimistix as optx
+import pytest
+from jax import lax
+
+import statax as stx
+from statax.testing import assert_tree_allclose
+
+A = jnp.array([[4.0, 1, 0], [1, 3, 0.5], [0, 0.5, 2]])
+B = jnp.array([1.0, 2, 3])
+
+
+def count_ops(fn, *args, op: str) -> int:
+    """How many `op` instructions the compiled (optimised) program of `fn` has."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return len(re.findall(rf" {op}\(", text))
+
+
+# ---- lineax: an equinox filter primitive, whose matvec is Python code in its params -------------
+
+
+def lineax_solve(a, b, solver, closed_over):
+    """`a @ x = b` through a `FunctionLinearOperator` whose matvec is marked. With
+    `closed_over`, the matvec closes over the constant `A` rather than the argument `a`."""
+    matrix = A if closed_over else a
+
+    def matvec(x):
+        stx.save_inter(x, name="x")
+        return stx.save_inter(matrix @ x, name="Ax")
+
+    struct = jax.ShapeDtypeStruct((3,), jnp.float32)
+    op = lx.FunctionLinearOperator(matvec, struct, tags=lx.positive_semidefinite_tag)
+    return lx.linear_solve(op, b, solver=solver).value
+
+
+SOLVERS = {"CG": lx.CG(rtol=1e-6, atol=1e-6), "LU": lx.LU()}
+
+
+@pytest.mark.parametrize("closed_over", [True, False], ids=["constant", "traced"])
+@pytest.mark.parametrize("solver", SOLVERS, ids=str)
+def test_lineax_matvec_marks_come_back(solver, closed_over):
+    def f(a, b):
+        return lineax_solve(a, b, SOLVERS[solver], closed_over)
+
+    expected = jnp.linalg.solve(A, B)
+    for g in (stx.pull(f), stx.pull(jax.jit(f)), jax.jit(stx.pull(f))):
+        x, inters = g(A, B)
+        np.testing.assert_allclose(x, expected, rtol=1e-5)
+        # Every matvec the solver ran is there, each the product of A and what lineax passed.
+        keys = sorted(inters)
+        n = len(keys) // 2
+        assert n >= 1 and keys == sorted(
+            [f"x_{i}" for i in range(n)] + [f"Ax_{i}" for i in range(n)]
+        )
+        for i in range(n):
+            xi = inters[f"x_{i}"]
+            np.testing.assert_allclose(inters[f"Ax_{i}"], xi @ A.T, rtol=1e-5, atol=1e-6)
+    if solver == "LU":  # LU materialises the operator: A times the identity, once
+        np.testing.assert_allclose(inters["x_0"], jnp.eye(3))
+        np.testing.assert_allclose(inters["Ax_0"], A.T)
+    # The solve is the library's: same derivatives (lineax's implicit rule), in both orders.
+    loss = lambda a, b: jnp.sum(f(a, b) ** 2)  # noqa: E731
+    truth = jax.grad(loss, argnums=(0, 1))(A, B)
+    outside, _ = jax.grad(
+        lambda a, b: (jnp.sum(stx.pull(f)(a, b)[0] ** 2), None), argnums=(0, 1), has_aux=True
+    )(A, B)
+    inside, _ = stx.pull(jax.grad(loss, argnums=(0, 1)))(A, B)
+    assert_tree_allclose(outside, truth, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(inside, truth, rtol=1e-4, atol=1e-5)
+    # vmap in both orders agrees.
+    bs = jnp.stack([B, 2 * B])
+    one = jax.vmap(stx.pull(f), in_axes=(None, 0))(A, bs)
+    other = stx.pull(jax.vmap(f, in_axes=(None, 0)))(A, bs)
+    np.testing.assert_allclose(one[0], other[0], rtol=1e-5)
+    for key, value in other[1].items():
+        np.testing.assert_allclose(
+            one[1][key], jnp.broadcast_to(value, one[1][key].shape), atol=1e-5
+        )
+    # And the compiled program has as many loops as the unpulled one.
+    assert count_ops(stx.pull(f), A, B, op="while") == count_ops(f, A, B, op="while")
+
+
+# ---- custom derivatives: the pulled program does the work of the unpulled one -------------------
+
+
+def test_custom_vjp_around_a_loop_runs_it_once():
+    @jax.custom_vjp
+    def loop(x):
+        def body(c):
+            return stx.save_inter(jnp.sin(c[0]), name="s"), c[1] + 1
+
+        return lax.while_loop(lambda c: c[1] < 10, body, (x, 0))[0]
+
+    loop.defvjp(lambda x: (loop(x), x), lambda x, g: (g * jnp.cos(x),))
+    x = jnp.array([0.3, 1.0])
+    last = x
+    for _ in range(10):
+        last = jnp.sin(last)
+    out, inters = stx.pull(loop)(x)
+    assert_tree_allclose((out, inters), (last, {"s_0": last}))
+    assert count_ops(stx.pull(loop), x, op="while") == count_ops(loop, x, op="while") == 1
+    # The custom rule still governs derivatives.
+    g, _ = jax.grad(lambda x: (jnp.sum(stx.pull(loop)(x)[0]), None), has_aux=True)(x)
+    np.testing.assert_allclose(g, jnp.cos(x))
+
+
+def vector_field(t, y, k):
+    stx.save_inter(jnp.ones((), jnp.int32), name="evals", reduce="sum")
+    return stx.save_inter(-k * jnp.sin(y), name="vf")
+
+
+def diffrax_solve(y0, k, adjoint=None):
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(vector_field),
+        diffrax.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args=k,
+        adjoint=adjoint or diffrax.RecursiveCheckpointAdjoint(),
+        saveat=diffrax.SaveAt(t1=True),
+        stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5),
+    )
+    return sol.ys[-1], sol.stats["num_steps"]
+
+
+@pytest.mark.parametrize(
+    "adjoint", [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()], ids=type
+)
+def test_diffrax_vector_field(adjoint):
+    y0, k = jnp.array([1.0, 2.0]), 3.0
+    solve = lambda y0, k: diffrax_solve(y0, k, adjoint)  # noqa: E731
+    (y1, steps), inters = stx.pull(solve)(y0, k)
+    truth_y1, truth_steps = solve(y0, k)
+    np.testing.assert_allclose(y1, truth_y1, rtol=1e-6)
+    assert int(steps) == int(truth_steps)
+    assert set(inters) == {"evals", "vf_0"}
+    # Tsit5 is FSAL: one evaluation to start, then six per step; the last is at (t1, y1).
+    assert int(inters["evals"]) == 1 + 6 * int(steps)
+    np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
+    # As many loops and vector-field evaluations in the compiled program as unpulled.
+    for op in ("while", "sine"):
+        assert count_ops(stx.pull(solve), y0, k, op=op) == count_ops(solve, y0, k, op=op)
+    # Derivatives are diffrax's (its adjoint's), in both orders.
+    loss = lambda y0, k: jnp.sum(solve(y0, k)[0])  # noqa: E731
+    truth = jax.grad(loss, argnums=(0, 1))(y0, k)
+    outside, _ = jax.grad(
+        lambda y0, k: (jnp.sum(stx.pull(solve)(y0, k)[0][0]), None), argnums=(0, 1), has_aux=True
+    )(y0, k)
+    assert_tree_allclose(outside, truth, rtol=1e-5)
+    assert_tree_allclose(stx.pull(jax.grad(loss, argnums=(0, 1)))(y0, k)[0], truth, rtol=1e-5)
+
+
+def residual(y, a):
+    return stx.save_inter(jnp.tanh(y) - a, name="r")
+
+
+def newton(a):
+    solver = optx.Newton(rtol=1e-6, atol=1e-6)
+    return optx.root_find(residual, solver, jnp.zeros_like(a), args=a).value
+
+
+def test_optimistix_residual():
+    a = jnp.linspace(-0.5, 0.5, 8)
+    y, inters = stx.pull(newton)(a)
+    np.testing.assert_allclose(y, jnp.arctanh(a), rtol=1e-5, atol=1e-6)
+    assert set(inters) == {"r_0"}
+    # The residual at the last Newton iterate evaluated: small, and the library's own residual.
+    assert float(jnp.max(jnp.abs(inters["r_0"]))) < 1e-4
+    assert count_ops(stx.pull(newton), a, op="tanh") == count_ops(newton, a, op="tanh")
+    assert count_ops(stx.pull(newton), a, op="while") == count_ops(newton, a, op="while")
+    g = jax.grad(lambda a: (jnp.sum(stx.pull(newton)(a)[0]), None), has_aux=True)(a)[0]
+    np.testing.assert_allclose(g, 1 / (1 - a**2), rtol=1e-4)
