@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
@@ -540,6 +541,45 @@ def is_equinox_primitive(eqn: jex.JaxprEqn) -> bool:
     return isinstance(eqn.params.get("flatten"), _primitive.Flatten) or (
         eqn.primitive in _equinox_vprim_impls()
     )
+
+
+def is_equinox_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
+    """Whether a `scan` with this body and initial carry is a level of an
+    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
+    over equinox's loop carry `(step, pred, prev_pred, *state)` (see
+    `equinox_loop_running`), whose `cond_fun` calls `unvmap_any`."""
+    return _equinox_loop_carry(init) and _calls(body.jaxpr, "unvmap_any")
+
+
+def _equinox_loop_carry(init: Sequence[Any]) -> bool:
+    if len(init) < 3:
+        return False
+    step, pred, prev = (jax.typeof(x) for x in init[:3])
+    flags = all(a.shape == () and a.dtype == jnp.bool_ for a in (pred, prev))
+    return flags and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
+
+
+def _calls(jaxpr: jex.Jaxpr, name: str) -> bool:
+    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for sub in jaxprs_in_params(eqn.params):
+            if _calls(sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub, name):
+                return True
+    return False
+
+
+def equinox_loop_running(cond_jaxpr: jex.ClosedJaxpr, init: Sequence[Any]) -> int | None:
+    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
+    its carry of equinox's per-example "still running" flag; else `None`.
+
+    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
+    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
+    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
+    if _equinox_loop_carry(init) and _calls(cond_jaxpr.jaxpr, "unvmap_any"):
+        return 1
+    return None
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

@@ -16,6 +16,11 @@ running value of the elementwise modes (no per-iteration storage), a `scan` stac
 and `"collect"` occurrences (in the order of its `ys`), and a `while` refuses those two (its
 number of iterations is not known when it is compiled).
 
+equinox's loops (`eqx.internal.while_loop`) are a `while` (kinds "lax" and "checkpointed") or
+nested `scan`s of `cond`s (kind "bounded") over a carry `(step, pred, prev_pred, *state)`.
+Both get `while` semantics: the last iteration that ran, masked per example with equinox's own
+flag `pred` (equinox runs a batch until every example is done and masks its state with it).
+
 Under `vmap`, both leave the loop before JAX batches it and are marked again outside: a scan's
 intermediates come back with the batch axis first, then the scan axis; a while loop's with each
 example's own last iteration.
@@ -39,6 +44,9 @@ def _scan_exposer(*args, **params):
     length, reverse, unroll = parts.length, parts.reverse, parts.unroll
     body, metas = pull_jaxpr(parts.jaxpr)
     num_out = len(parts.jaxpr.out_avals)
+    init = args[num_consts : num_consts + num_carry]
+    if metas and _compat.is_equinox_bounded_step(parts.jaxpr, init):
+        return _bounded_loop_scan(args, parts, body, metas)
     if not any(_reduce.running(m) for m in metas):
         flat = scan_p.bind(*args, **_compat.scan_params(params, parts._replace(jaxpr=body)))
         stacked = split_leaves(flat[num_out:], metas)
@@ -75,6 +83,48 @@ def _scan_exposer(*args, **params):
     return [*carry, *ys], leaves, metas
 
 
+def _bounded_loop_scan(args, parts, body, metas):
+    """A scan of `eqx.internal.while_loop(kind="bounded")`: a while loop to its user, so its
+    intermediates are those of the last iteration that ran (zeros if none), as for `while`,
+    not one row per possible step. An iteration ran for an example where equinox's step
+    counter moved and its per-example flag was still set."""
+    for meta in metas:
+        if meta.reduce in ("stack", "collect"):
+            raise ReduceMismatchError.in_while_loop(meta)
+    num_consts, num_carry = parts.num_consts, parts.num_carry
+    num_out = len(parts.jaxpr.out_avals)
+    consts = args[:num_consts]
+    init, xs = args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
+    last0 = [jnp.zeros(a.shape, a.dtype) for a in body.out_avals[num_out:]]
+
+    def step(state, x):
+        carry, last = state
+        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x)
+        new_carry = list(flat[:num_carry])
+        ran = (new_carry[0] != carry[0]) & carry[1]
+        new = _update(metas, last, flat[num_out:])
+        last = [jnp.where(ran, b, a) for a, b in zip(last, new, strict=True)]
+        return (new_carry, last), flat[num_carry:num_out]
+
+    (carry, last), ys = jax.lax.scan(
+        step,
+        (list(init), last0),
+        list(xs),
+        length=parts.length,
+        reverse=parts.reverse,
+        unroll=parts.unroll,
+    )
+    return [*carry, *ys], last, metas
+
+
+def _update(metas, old, new):
+    """The last value of an unreduced intermediate; the running value of a reduced one."""
+    out = []
+    for meta, a, b in zip(metas, split_leaves(old, metas), split_leaves(new, metas), strict=True):
+        out.extend(_reduce.combine(meta, a, meta, b) if _reduce.running(meta) else b)
+    return out
+
+
 def _unstack_reduced(metas, stacked, flat=True):
     """Per-iteration "stack"/"collect" accumulators, stacked by the scan on axis 0, folded into
     one (the iterations' occurrences after the batch axes); other values stay stacked."""
@@ -101,26 +151,23 @@ def _while_exposer(*args, **params):
         if meta.reduce in ("stack", "collect"):
             raise ReduceMismatchError.in_while_loop(meta)
     n = len(init)
+    running = _compat.equinox_loop_running(cond_jaxpr, init)
 
     def evaluate_cond(carry):
         pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry)
         return pred, leaves
 
-    def update(metas, old, new):
-        # The last value of an unreduced intermediate; the running value of a reduced one.
-        out = []
-        for meta, a, b in zip(
-            metas, split_leaves(old, metas), split_leaves(new, metas), strict=True
-        ):
-            out.extend(_reduce.combine(meta, a, meta, b) if _reduce.running(meta) else b)
-        return out
-
     def body(state):
         carry, _, body_old, cond_old = state
         flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry)
-        new_carry, body_leaves = list(flat[:n]), update(body_metas, body_old, flat[n:])
+        new_carry, body_leaves = list(flat[:n]), _update(body_metas, body_old, flat[n:])
+        if running is not None:
+            # An equinox loop under vmap runs every example until all are done and masks its
+            # own state with its per-example flag: mask the intermediates alike.
+            ran = carry[running]
+            body_leaves = [jnp.where(ran, b, a) for a, b in zip(body_old, body_leaves, strict=True)]
         pred, cond_leaves = evaluate_cond(new_carry)
-        return new_carry, pred, body_leaves, update(cond_metas, cond_old, cond_leaves)
+        return new_carry, pred, body_leaves, _update(cond_metas, cond_old, cond_leaves)
 
     pred, cond_leaves = evaluate_cond(init)
     body_leaves = [jnp.zeros(a.shape, a.dtype) for a in body_fn.out_avals[n:]]

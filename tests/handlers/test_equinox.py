@@ -48,16 +48,52 @@ def test_equinox_while_loop_gives_last_iteration(kind, x):
         assert_tree_allclose(inters, {"b_0": last})
 
 
-def test_equinox_bounded_while_loop_gives_one_value_per_step():
+@pytest.mark.parametrize("max_steps", [4, 20, 4096])  # 4096: diffrax's DirectAdjoint
+@pytest.mark.parametrize("x", [0.5, 3.0])
+def test_equinox_bounded_while_loop_is_a_while_loop(max_steps, x):
+    # A bounded loop is nested scans of conds inside equinox; to its user it is a while loop:
+    # the last iteration that ran, zeros if none, whatever max_steps (and so the nesting) is.
     def f(x):
-        return eqxi.while_loop(cond, body, x, max_steps=16, kind="bounded")
+        return eqxi.while_loop(cond, body, x, max_steps=max_steps, kind="bounded")
 
-    # A bounded loop is a scan of 16 steps, each a cond: a value per step, zeros where the
-    # step did not run.
-    c, _, steps = loop_ref(0.5)
-    per_step = jnp.zeros(16).at[: len(steps)].set(jnp.array(steps))
-    assert_tree_allclose(stx.pull(f)(0.5), (c, {"b_0": per_step}))
-    assert_tree_allclose(stx.pull(jax.grad(f))(0.5)[1], {"b_0": per_step})
+    c, steps = x, []
+    while c < 2.0 and len(steps) < max_steps:
+        c = c * 1.5 + 0.1
+        steps.append(c)
+    last = steps[-1] if steps else 0.0
+    assert_tree_allclose(stx.pull(f)(x), (c, {"b_0": last}))
+    assert_tree_allclose(jax.jit(stx.pull(f))(x), (c, {"b_0": last}))
+    grad, inters = jax.grad(stx.pull(f), has_aux=True)(x)
+    assert_tree_allclose((grad, inters), (jax.grad(f)(x), {"b_0": last}))
+
+
+def count_body():
+    def body(c):
+        stx.save_inter((c == c).astype(jnp.int32), name="n", reduce="sum")
+        stx.save_inter(c * 2, name="v")
+        return c * 2
+
+    return body
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed", "bounded"])
+def test_equinox_while_loop_under_vmap_is_per_example(kind):
+    # equinox runs every example until all are done and masks its own state; the marks are
+    # each example's own, as for lax.while_loop: its iteration count, its last value, zeros
+    # where the body never ran.
+    def f(x):
+        return eqxi.while_loop(lambda c: c < 10.0, count_body(), x, max_steps=16, kind=kind)
+
+    def g(x):
+        return jax.lax.while_loop(lambda c: c < 10.0, count_body(), x)
+
+    xs = jnp.array([0.5, 3.0, 20.0])
+    expected = (
+        jnp.array([16.0, 12.0, 20.0]),
+        {"n": jnp.array([5, 2, 0]), "v_0": jnp.array([16.0, 12.0, 0.0])},
+    )
+    for h in (stx.pull(jax.vmap(f)), jax.vmap(stx.pull(f)), stx.pull(jax.vmap(g))):
+        assert_tree_allclose(h(xs), expected)
 
 
 @pytest.mark.parametrize("kind", ["lax", "checkpointed", "bounded"])
