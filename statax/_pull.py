@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _reduce
+from . import _compat, _nnx, _reduce
 from ._errors import KeyCollisionError
 from ._interpreter import pull_jaxpr, selecting
 from ._meta import StateMeta, hashable
@@ -73,6 +73,15 @@ class _Pulled(eqx.Module):
         if not self.enabled:
             return self.fn(*args, **kwargs), {}
         root, tree, call = _split_callable(self.fn)
+        nnx_split = _nnx.split(tree, args, kwargs)
+        if nnx_split is not None:  # Flax NNX objects: keep their reference semantics
+            packed, args, kwargs, nodes = nnx_split
+            (out, state), inters = self._run(root, _nnx.calling(call), packed, args, kwargs)
+            _nnx.update(nodes, state)
+            return out, inters
+        return self._run(root, call, tree, args, kwargs)
+
+    def _run(self, root, call, tree, args, kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
         traced = _traced_mask(leaves, treedef)
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]

@@ -1,0 +1,89 @@
+"""Flax NNX's reference semantics under `pull`, as `nnx.jit` keeps them.
+
+NNX objects (modules, optimizers, variables) are mutable graph nodes: a call may update their
+state (BatchNorm statistics, RNG counters, an optimizer step). `pull` flattens and rebuilds its
+arguments, so on its own it would update rebuilt copies. Here every graph node among the
+callable and the arguments is split (together, so shared references stay shared) into a static
+graph definition and its state; the traced call merges them back, calls, and returns the new
+state beside the output; and the caller's objects are updated with it afterwards.
+
+Only used where Flax is already imported: statax does not depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+
+__all__ = ["split", "update"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where the k-th graph node was, in the flattened arguments (static, hashable)."""
+
+    index: int
+
+
+@jax.tree_util.register_pytree_node_class
+class _Packed:
+    """The arguments with their graph nodes taken out: the nodes' state (traced) and graph
+    definition (static, so part of `pull`'s cache key)."""
+
+    def __init__(self, graphdef, state, rest):
+        self.graphdef, self.state, self.rest = graphdef, state, rest
+
+    def tree_flatten(self):
+        return (self.state, self.rest), self.graphdef
+
+    @classmethod
+    def tree_unflatten(cls, graphdef, children):
+        return cls(graphdef, *children)
+
+
+def split(tree: Any, args: tuple, kwargs: dict) -> tuple[_Packed, tuple, dict, tuple] | None:
+    """`(packed, args, kwargs, nodes)` where `(tree, args, kwargs)` holds NNX graph nodes: the
+    nodes are taken out into `packed` (which replaces `tree`), leaving `_Slot`s in their
+    places, so that arguments stay where they were (a Python float argument stays traced).
+    Else `None`."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    is_node = nnx.graph.is_graph_node
+    leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+    nodes = tuple(leaf for leaf in leaves if is_node(leaf))
+    if not nodes:
+        return None
+    graphdef, state = nnx.split(nodes)
+    it = iter(range(len(nodes)))
+    rest = [_Slot(next(it)) if is_node(leaf) else leaf for leaf in leaves]
+    tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, rest)
+    return _Packed(graphdef, state, tree), args, kwargs, nodes
+
+
+def calling(call):
+    """`call(tree, *args, **kwargs)` for packed arguments: merges the graph nodes back, calls,
+    and returns `(out, new_state)`."""
+
+    def packed_call(packed: _Packed, *args, **kwargs):
+        nnx = sys.modules["flax.nnx"]
+        nodes = nnx.merge(packed.graphdef, packed.state)
+
+        def put_back(leaf):
+            return nodes[leaf.index] if isinstance(leaf, _Slot) else leaf
+
+        tree, args, kwargs = jax.tree_util.tree_map(
+            put_back, (packed.rest, args, kwargs), is_leaf=lambda x: isinstance(x, _Slot)
+        )
+        out = call(tree, *args, **kwargs)
+        return out, nnx.state(nodes)
+
+    return packed_call
+
+
+def update(nodes: tuple, state) -> None:
+    """Update the caller's graph nodes with the state the call left."""
+    sys.modules["flax.nnx"].update(nodes, state)
