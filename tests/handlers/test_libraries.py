@@ -153,7 +153,7 @@ def test_diffrax_vector_field(adjoint):
     solve = lambda y0, k: diffrax_solve(y0, k, adjoint)  # noqa: E731
     (y1, steps), inters = stx.pull(solve)(y0, k)
     truth_y1, truth_steps = solve(y0, k)
-    np.testing.assert_allclose(y1, truth_y1, rtol=1e-6)
+    np.testing.assert_allclose(y1, truth_y1, rtol=1e-5)  # XLA may fuse differently
     assert int(steps) == int(truth_steps)
     assert set(inters) == {"evals", "vf_0"}
     # Tsit5 is FSAL: one evaluation to start, then six per step; the last is at (t1, y1).
@@ -221,7 +221,7 @@ def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint():
         np.testing.assert_array_equal(truth_steps, [3, 20])
         for g in (stx.pull(jax.vmap(f)), jax.vmap(stx.pull(f))):
             (y1, steps), inters = g(t1s)
-            np.testing.assert_allclose(y1, truth_y1, rtol=1e-6)
+            np.testing.assert_allclose(y1, truth_y1, rtol=1e-5)
             np.testing.assert_array_equal(inters["evals"], [1 + 6 * 3, 1 + 6 * 20])
             assert inters["vf_0"].shape == (2, 2)  # (batch, *y's shape), for every adjoint
             np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
