@@ -582,6 +582,15 @@ def equinox_loop_running(cond_jaxpr: jex.ClosedJaxpr, init: Sequence[Any]) -> in
     return None
 
 
+def equinox_select_if_vmap(pred: Any, new: Any, old: Any) -> Any:
+    """equinox's own masking of its loop state: `new` where the example is running, else `old`;
+    a plain `new` when nothing is batched (then `pred` is true wherever the body runs), so an
+    unbatched loop pays nothing (equinox 0.13, `equinox.internal._loop.common`)."""
+    from equinox.internal._loop import common
+
+    return common._select_if_vmap(pred, new, old, makes_false_steps=False)
+
+
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:
     """The debug info of a jaxpr whose outputs gained `names` at the end."""
     if debug_info is None:

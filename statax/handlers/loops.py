@@ -165,7 +165,10 @@ def _while_exposer(*args, **params):
             # An equinox loop under vmap runs every example until all are done and masks its
             # own state with its per-example flag: mask the intermediates alike.
             ran = carry[running]
-            body_leaves = [jnp.where(ran, b, a) for a, b in zip(body_old, body_leaves, strict=True)]
+            body_leaves = [
+                _compat.equinox_select_if_vmap(ran, b, a)
+                for a, b in zip(body_old, body_leaves, strict=True)
+            ]
         pred, cond_leaves = evaluate_cond(new_carry)
         return new_carry, pred, body_leaves, _update(cond_metas, cond_old, cond_leaves)
 
