@@ -526,7 +526,9 @@ def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
     return list(impl(*args, **eqn.params))
 
 
+@functools.cache
 def _equinox_vprim_impls() -> dict:
+    """equinox's registry of vprims and their impls (one dict, filled as vprims are made)."""
     from equinox.internal import _primitive
 
     return _primitive._vprim_impl_registry
@@ -536,11 +538,12 @@ def is_equinox_primitive(eqn: jex.JaxprEqn) -> bool:
     """Whether `eqn` is of an equinox filter primitive or `vprim` (`equinox.internal`), such
     as lineax's `linear_solve`: its impl is Python, its lowering `mlir.lower_fun(impl)`, and
     its functions live in the `static` param (equinox 0.13, `equinox.internal._primitive`)."""
-    from equinox.internal import _primitive
+    flatten = eqn.params.get("flatten")
+    if flatten is not None:
+        from equinox.internal import _primitive
 
-    return isinstance(eqn.params.get("flatten"), _primitive.Flatten) or (
-        eqn.primitive in _equinox_vprim_impls()
-    )
+        return isinstance(flatten, _primitive.Flatten)
+    return eqn.primitive in _equinox_vprim_impls()
 
 
 def is_equinox_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
