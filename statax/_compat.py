@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
@@ -48,7 +47,6 @@ __all__ = [
     "cond_params",
     "custom_params",
     "custom_primal",
-    "equinox_noinline",
     "extend_debug_info",
     "hi_expand",
     "hi_jaxprs",
@@ -457,39 +455,6 @@ def vary(x, axes: tuple) -> Any:
     return jax.lax.pvary(x, missing)  # JAX 0.8
 
 
-def equinox_noinline():
-    """`(noinline_p, fn_of(eqn))` for `eqx.internal.noinline`: `fn_of(eqn)` rebuilds the
-    Python function a `noinline` equation calls, as `f(*dynamic_inputs) -> flat outputs`, or
-    gives `None` where the call is a JVP or transpose of another (whose marks count there).
-    Written against equinox 0.13 (`equinox.internal._noinline`, `_primitive`)."""
-    from equinox.internal import _noinline, _primitive
-
-    def fn_of(eqn):
-        index = eqn.invars[0]
-        if not isinstance(index, jex.Literal):
-            return None  # a batched index: several functions, none of them known here
-        static, treedef = eqn.params["static"], eqn.params["treedef"]
-        transforms = jax.tree_util.tree_unflatten(treedef, static)[2]
-        if any(
-            t is _noinline._jvp_transform or isinstance(t, _noinline._MetaTransposeTransform)
-            for t in transforms
-        ):
-            return None  # a derivative's call: its marks are the primal call's, seen there
-
-        def call(*dynamic):
-            it = iter(dynamic)
-            flat = [next(it) if x is _primitive._missing_dynamic else x for x in static]
-            _, _, transforms, args = jax.tree_util.tree_unflatten(treedef, flat)
-            fn = _noinline._index_to_fn[int(index.val)]
-            for transform in transforms:
-                fn = transform(fn)
-            return jax.tree_util.tree_leaves(fn(args))
-
-        return call
-
-    return _noinline.noinline_p, fn_of
-
-
 SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 
@@ -518,80 +483,10 @@ def _holds_callable(value) -> bool:
     )
 
 
-def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
-    """Run `eqn`'s primitive's impl rule on `args` (as its lowering does for a primitive whose
-    lowering is `mlir.lower_fun(impl)`). For an equinox `vprim` this is the impl its lowering
-    and its derived batching rule use (lineax's rebinds `impl` to one that refuses batching)."""
-    impl = _equinox_vprim_impls().get(eqn.primitive, eqn.primitive.impl)
-    return list(impl(*args, **eqn.params))
-
-
-@functools.cache
-def _equinox_vprim_impls() -> dict:
-    """equinox's registry of vprims and their impls (one dict, filled as vprims are made)."""
-    from equinox.internal import _primitive
-
-    return _primitive._vprim_impl_registry
-
-
-def is_equinox_primitive(eqn: jex.JaxprEqn) -> bool:
-    """Whether `eqn` is of an equinox filter primitive or `vprim` (`equinox.internal`), such
-    as lineax's `linear_solve`: its impl is Python, its lowering `mlir.lower_fun(impl)`, and
-    its functions live in the `static` param (equinox 0.13, `equinox.internal._primitive`)."""
-    flatten = eqn.params.get("flatten")
-    if flatten is not None:
-        from equinox.internal import _primitive
-
-        return isinstance(flatten, _primitive.Flatten)
-    return eqn.primitive in _equinox_vprim_impls()
-
-
-def is_equinox_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
-    """Whether a `scan` with this body and initial carry is a level of an
-    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
-    over equinox's loop carry `(step, pred, prev_pred, *state)` (see
-    `equinox_loop_running`), whose `cond_fun` calls `unvmap_any`."""
-    return _equinox_loop_carry(init) and _calls(body.jaxpr, "unvmap_any")
-
-
-def _equinox_loop_carry(init: Sequence[Any]) -> bool:
-    if len(init) < 3:
-        return False
-    step, pred, prev = (jax.typeof(x) for x in init[:3])
-    flags = all(a.shape == () and a.dtype == jnp.bool_ for a in (pred, prev))
-    return flags and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
-
-
-def _calls(jaxpr: jex.Jaxpr, name: str) -> bool:
-    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return True
-        for sub in jaxprs_in_params(eqn.params):
-            if _calls(sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub, name):
-                return True
-    return False
-
-
-def equinox_loop_running(cond_jaxpr: jex.ClosedJaxpr, init: Sequence[Any]) -> int | None:
-    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
-    its carry of equinox's per-example "still running" flag; else `None`.
-
-    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
-    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
-    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
-    if _equinox_loop_carry(init) and _calls(cond_jaxpr.jaxpr, "unvmap_any"):
-        return 1
-    return None
-
-
-def equinox_select_if_vmap(pred: Any, new: Any, old: Any) -> Any:
-    """equinox's own masking of its loop state: `new` where the example is running, else `old`;
-    a plain `new` when nothing is batched (then `pred` is true wherever the body runs), so an
-    unbatched loop pays nothing (equinox 0.13, `equinox.internal._loop.common`)."""
-    from equinox.internal._loop import common
-
-    return common._select_if_vmap(pred, new, old, makes_false_steps=False)
+def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any], impl: Callable | None = None) -> list:
+    """Run `eqn`'s primitive's impl rule (or `impl`, one of its kind) on `args`, as its
+    lowering does for a primitive whose lowering is `mlir.lower_fun(impl)`."""
+    return list((impl or eqn.primitive.impl)(*args, **eqn.params))
 
 
 def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:

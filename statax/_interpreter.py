@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from . import _compat, _reduce
+from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
 from ._primitive import save_inter_p
@@ -220,7 +220,7 @@ def traced_impl(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     try:
         with _compat.PULLING(True):
             closed = _compat.trace(
-                lambda *args: _compat.run_impl(eqn, args),
+                lambda *args: _compat.run_impl(eqn, args, _equinox.impl_of(eqn)),
                 [x.aval for x in eqn.invars],
                 name=str(eqn.primitive),
             )

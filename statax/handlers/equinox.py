@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 
-from .. import _compat
+from .. import _compat, _equinox
 from .._interpreter import (
     call_equation,
     find_saves,
@@ -38,7 +38,7 @@ from .._interpreter import (
     traced_impl,
 )
 
-_noinline_p, _fn_of = _compat.equinox_noinline()
+_noinline_p, _fn_of = _equinox.equinox_noinline()
 _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -75,5 +75,5 @@ def _filter_primitive_handler(eqn):
 
 
 register_family(
-    _compat.is_equinox_primitive, _filter_primitive_handler, find_saves=find_saves_in_impl
+    _equinox.is_equinox_primitive, _filter_primitive_handler, find_saves=find_saves_in_impl
 )

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
-from .. import _compat, _reduce
+from .. import _compat, _equinox, _reduce
 from .._errors import ReduceMismatchError
 from .._interpreter import pull_jaxpr, register_exposer, split_leaves
 
@@ -45,7 +45,7 @@ def _scan_exposer(*args, **params):
     body, metas = pull_jaxpr(parts.jaxpr)
     num_out = len(parts.jaxpr.out_avals)
     init = args[num_consts : num_consts + num_carry]
-    if metas and _compat.is_equinox_bounded_step(parts.jaxpr, init):
+    if metas and _equinox.is_bounded_step(parts.jaxpr, init):
         return _bounded_loop_scan(args, parts, body, metas)
     if not any(_reduce.running(m) for m in metas):
         flat = scan_p.bind(*args, **_compat.scan_params(params, parts._replace(jaxpr=body)))
@@ -151,7 +151,7 @@ def _while_exposer(*args, **params):
         if meta.reduce in ("stack", "collect"):
             raise ReduceMismatchError.in_while_loop(meta)
     n = len(init)
-    running = _compat.equinox_loop_running(cond_jaxpr, init)
+    running = _equinox.loop_running(cond_jaxpr, init)
 
     def evaluate_cond(carry):
         pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry)
@@ -166,7 +166,7 @@ def _while_exposer(*args, **params):
             # own state with its per-example flag: mask the intermediates alike.
             ran = carry[running]
             body_leaves = [
-                _compat.equinox_select_if_vmap(ran, b, a)
+                _equinox.select_if_vmap(ran, b, a)
                 for a, b in zip(body_old, body_leaves, strict=True)
             ]
         pred, cond_leaves = evaluate_cond(new_carry)
