@@ -127,24 +127,25 @@ def _summarized(entry: _Entry, summarize: Callable, ran: bool) -> Callable:
     return compiled
 
 
-# Where each intermediate of a recent result was saved, for `describe`. Keyed by the id of the
-# dict `pull` returned, checked against its keys; a bounded record, as results are not
-# weakly referenceable.
-_ORIGINS: OrderedDict = OrderedDict()
+class Key(str):
+    """A key of the dict `pull` returns: the string `f"{name}_{n}"` (or the name of a reduced
+    entry), which also knows where its value was saved, `key.location` (`"file.py:line"`). It
+    travels with the result: through `dict(inters)`, `summarize=`, and JAX transformations."""
 
+    location: str
 
-def _remember_origins(inters: dict, where: dict[str, str]) -> None:
-    _ORIGINS[id(inters)] = (tuple(inters), where)
-    if len(_ORIGINS) > 256:
-        _ORIGINS.popitem(last=False)
+    def __new__(cls, key: str, location: str) -> Key:
+        self = super().__new__(cls, key)
+        self.location = location
+        return self
+
+    def __reduce__(self):
+        return (Key, (str(self), self.location))
 
 
 def origins(inters: dict) -> dict[str, str]:
-    """`{key: "file:line"}` for a dict `pull` returned recently (else `{}`)."""
-    found = _ORIGINS.get(id(inters))
-    if found is None or found[0] != tuple(inters):
-        return {}
-    return found[1]
+    """`{key: "file:line"}` for the keys of `inters` that `pull` made."""
+    return {key: key.location for key in inters if isinstance(key, Key)}
 
 
 def _traced_mask(leaves: list, treedef) -> list[bool]:
@@ -246,8 +247,7 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False) -> dict
             if key in sites:
                 raise KeyCollisionError(key, sites[key], meta)
             sites[key] = meta
-            inters[key] = value
-    _remember_origins(inters, {key: meta.location for key, meta in sites.items()})
+            inters[Key(key, meta.location)] = value
     return inters
 
 
@@ -287,8 +287,10 @@ def pull(
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
         dict `{f"{name}_{n}": value}`, `n` counting each name's `save_inter` calls from 0 in
-        program order. It composes with `jit`, `grad` (use `has_aux=True` outside), `vmap`,
-        `jacfwd`, `jacrev`, `hessian` and equinox's filtered transforms, in either order.
+        program order. Each key is a `str` that also knows where its value was saved,
+        `key.location` (`"file.py:line"`), as `describe` shows. It composes with `jit`,
+        `grad` (use `has_aux=True` outside), `vmap`, `jacfwd`, `jacrev`, `hessian` and
+        equinox's filtered transforms, in either order.
 
     Example:
         >>> import jax, jax.numpy as jnp, statax as stx
