@@ -134,6 +134,16 @@ SCOPE = jax_config.string_or_object_state(
 )
 
 
+# The selection of the `pull` tracing (`pull(fn, only=...)`), a predicate on StateMeta or None;
+# part of the trace context for the same reason as the scope.
+SELECTION = jax_config.string_or_object_state(
+    "statax_selection",
+    None,
+    "Internal to statax: the selection (pull's only=) in force.",
+    include_in_trace_context=True,
+)
+
+
 def trace_context() -> tuple:
     """Everything in JAX's configuration that changes what tracing produces (x64, disable_jit,
     matmul precision, promotion rules, meshes, statax's own states, ...), hashable: the part of

@@ -18,7 +18,6 @@ inputs, appended after the original ones); `pull` itself only adds outputs.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -141,26 +140,23 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
 
 # ---- finding marks -------------------------------------------------------------------------
 
-# The selection of the `pull` rewriting now (`pull(fn, only=...)`): a predicate on StateMeta,
-# or None for every mark. Caches below are kept per selection.
-_SELECTION: contextvars.ContextVar[Callable[[StateMeta], bool] | None] = contextvars.ContextVar(
-    "statax_selection", default=None
-)
+# The selection of the `pull` in force (`pull(fn, only=...)`): a predicate on StateMeta, or
+# None for every mark. A config state in JAX's trace context (`_compat.SELECTION`), as the
+# scope is: `save_inter` decides where it is bound whether it collects, and JAX keeps traces
+# made under one selection apart from the others. Caches below are kept per selection.
 
 
 @contextlib.contextmanager
 def selecting(selection: Callable[[StateMeta], bool] | None):
-    """Within, `pull_jaxpr` collects only the marks whose meta `selection` accepts; the others
-    are left as identities (and their work, if nothing else needs it, compiles away)."""
-    token = _SELECTION.set(selection)
-    try:
+    """Within, marks are bound and `pull_jaxpr` collects only where `selection` accepts their
+    meta; the others are plain identities (their work, if nothing else needs it, compiles
+    away)."""
+    with _compat.SELECTION(selection):
         yield
-    finally:
-        _SELECTION.reset(token)
 
 
 def _selected(meta: StateMeta) -> bool:
-    selection = _SELECTION.get()
+    selection = _compat.SELECTION.value
     return selection is None or bool(selection(meta))
 
 
@@ -168,7 +164,7 @@ def _cached(store: weakref.WeakKeyDictionary, key, compute):
     per_selection = store.get(key)
     if per_selection is None:
         per_selection = store[key] = {}
-    selection = _SELECTION.get()
+    selection = _compat.SELECTION.value
     if selection not in per_selection:
         per_selection[selection] = compute()
     return per_selection[selection]

@@ -206,11 +206,11 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
         return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
 
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
-    with _compat.PULLING(True):
-        closed = jax.make_jaxpr(flat_fn)(*dynamic)
-    out_def, out_static = out_info[0]
-    with selecting(only):
+    with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
+        with _compat.PULLING(True):
+            closed = jax.make_jaxpr(flat_fn)(*dynamic)
         new, metas = pull_jaxpr(closed)
+    out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )

@@ -6,6 +6,7 @@ import pytest
 from jax import lax
 
 import statax as stx
+from statax import _compat
 from statax.testing import assert_tree_allclose, hlo_ops
 
 X = jnp.array([0.5, -1.0, 2.0])
@@ -92,6 +93,42 @@ def test_unselected_mark_in_an_unhandled_primitive_is_not_an_error():
         return twice_call(lambda y: stx.save_inter(y * 2, name="hidden"), x)
 
     assert list(stx.pull(f, only="kept")(1.0)[1]) == ["kept_0"]
+
+
+def test_only_is_in_force_where_marks_are_bound_also_in_a_rebatched_loop():
+    # Under pull(vmap(f)) a scan holding marks is rewritten while vmap batches it, before the
+    # rewrite of the whole: the selection must already hold there, so that the unselected "b"
+    # is not stacked by the scan (and computed) only to be dropped.
+    def f(x):
+        def step(c, _):
+            stx.save_inter(c, name="a")
+            stx.save_inter(jnp.sin(c) * 3, name="b")
+            return c * 2, None
+
+        return jax.lax.scan(step, x, None, length=4)[0]
+
+    def scan_outputs(g, xs):
+        jaxpr = jax.make_jaxpr(g)(xs)
+        found = []
+
+        def walk(j):
+            for eqn in j.eqns:
+                if eqn.primitive.name == "scan":
+                    found.append(len(eqn.outvars))
+                for sub in _compat.jaxprs_in_params(eqn.params):
+                    walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+        walk(jaxpr.jaxpr)
+        return found
+
+    xs = jnp.array([1.0, 2.0, 3.0])
+    for g in (stx.pull(jax.vmap(f), only="a"), jax.vmap(stx.pull(f, only="a"))):
+        out, inters = g(xs)
+        assert list(inters) == ["a_0"]
+        assert jnp.allclose(inters["a_0"], jnp.outer(xs, 2.0 ** jnp.arange(4)))
+    # One carry and one stacked "a": nothing for "b".
+    assert scan_outputs(stx.pull(jax.vmap(f), only="a"), xs) == [2]
+    assert scan_outputs(stx.pull(jax.vmap(f)), xs) == [3]
 
 
 def test_off_switch_returns_no_intermediates_and_the_plain_program():
