@@ -40,6 +40,7 @@ __all__ = [
     "handler_from_exposer",
     "inert",
     "mark",
+    "only_in",
     "register_exposer",
     "split_leaves",
     "find_saves",
@@ -104,9 +105,7 @@ def register_handler(
         _HANDLERS[primitive] = h
         if find_saves is not None:
             _FINDERS[primitive] = find_saves
-        _SAVES.clear()
-        _PULLED.clear()
-        _PULLED_OPEN.clear()
+        _forget_rewrites()
         return h
 
     return register if handler is None else register(handler)
@@ -122,6 +121,11 @@ def register_family(
     primitive, whichever library defines it): `handler` (and `find_saves`) serve every
     equation of a primitive with no handler of its own for which `matches(eqn)` is true."""
     _FAMILIES.append((matches, handler, find_saves))
+    _forget_rewrites()
+
+
+def _forget_rewrites() -> None:
+    """Drop cached searches and rewrites: a new handler may see what the old ones could not."""
     _SAVES.clear()
     _PULLED.clear()
     _PULLED_OPEN.clear()
@@ -408,8 +412,9 @@ _INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def inert(jaxpr):
     """`jaxpr` (open or closed) with every mark, at any depth, made inert (`collect=False`).
 
-    For handlers that keep an equation as it was beside a pulled copy (custom derivatives,
-    linear solves): its marks must not be collected again by an enclosing `pull`.
+    For handlers that bind an equation as it was, to delegate to its own rules (custom
+    derivatives, linear solves, see `pulled_with_rule`): its marks must not be collected again
+    by an enclosing `pull`.
     """
     if _compat.wraps_jaxpr(jaxpr):
         new = inert(jaxpr.jaxpr)
@@ -469,15 +474,11 @@ def pulled_with_rule(
     def run_jvp(primals, tangents):
         # Differentiate `original` only where a tangent is not a symbolic zero: the other
         # inputs (a solver's state, say) are constants to it, as they were to the equation.
-        live = [not isinstance(t, _compat.SymbolicZero) for t in tangents]
-
-        def of_live(*xs):
-            it = iter(xs)
-            return original(*[next(it) if a else p for p, a in zip(primals, live, strict=True)])
-
-        pick = [i for i, a in enumerate(live) if a]
+        live = [i for i, t in enumerate(tangents) if not isinstance(t, _compat.SymbolicZero)]
         outs, out_tangents = jax.jvp(
-            of_live, [primals[i] for i in pick], [tangents[i] for i in pick]
+            only_in(original, primals, live),
+            [primals[i] for i in live],
+            [tangents[i] for i in live],
         )
         saved = run_pulled(*map(jax.lax.stop_gradient, primals))[n:]
         return (*outs, *saved), (*out_tangents, *map(zero_tangent, saved))
@@ -485,6 +486,19 @@ def pulled_with_rule(
     run.defjvp(run_jvp, symbolic_zeros=True)
     flat = run(*args)
     return list(flat[:n]), list(flat[n:]), metas
+
+
+def only_in(fn: Callable, args: Sequence, live: Sequence[int]) -> Callable:
+    """`fn` as a function of `args[i]` for `i` in `live` only, the others fixed: what a custom
+    rule differentiates, so that unperturbed inputs stay constants, as they were to `fn`."""
+
+    def of_live(*xs):
+        full = list(args)
+        for i, x in zip(live, xs, strict=True):
+            full[i] = x
+        return fn(*full)
+
+    return of_live
 
 
 def zero_tangent(x):

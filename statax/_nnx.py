@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-__all__ = ["split", "update"]
+__all__ = ["calling", "node_test", "split", "update"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +45,19 @@ class _Packed:
         return cls(graphdef, *children)
 
 
-def split(tree: Any, args: tuple, kwargs: dict) -> tuple[_Packed, tuple, dict, tuple] | None:
-    """`(packed, args, kwargs, nodes)` where `(tree, args, kwargs)` holds NNX graph nodes: the
-    nodes are taken out into `packed` (which replaces `tree`), leaving `_Slot`s in their
-    places, so that arguments stay where they were (a Python float argument stays traced).
-    Else `None`."""
+def node_test() -> Callable[[Any], bool] | None:
+    """NNX's test for a graph node, or `None` where Flax NNX is not imported."""
     nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return None
+    return None if nnx is None else nnx.graph.is_graph_node
+
+
+def split(leaves: list, treedef) -> tuple[_Packed, tuple, dict, tuple]:
+    """`(packed, args, kwargs, nodes)` from `(tree, args, kwargs)` flattened with graph nodes as
+    leaves: the nodes are taken out into `packed` (which replaces `tree`), leaving `_Slot`s in
+    their places, so that arguments stay where they were (a Python float stays traced)."""
+    nnx = sys.modules["flax.nnx"]
     is_node = nnx.graph.is_graph_node
-    leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     nodes = tuple(leaf for leaf in leaves if is_node(leaf))
-    if not nodes:
-        return None
     graphdef, state = nnx.split(nodes)
     it = iter(range(len(nodes)))
     rest = [_Slot(next(it)) if is_node(leaf) else leaf for leaf in leaves]

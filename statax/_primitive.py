@@ -100,9 +100,11 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     static = tuple(ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True))
     meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
-    selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
-    collect = selection is None or bool(selection(meta))
-    active = collect and bool(_compat.PULLING.value)
+    collect, active = True, bool(_compat.PULLING.value)
+    if active:  # `pull(fn, only=...)`: decided here, where the mark is bound
+        selection = _compat.SELECTION.value
+        if selection is not None and not selection(meta):
+            collect = active = False
     outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=collect, active=active))
     return jax.tree_util.tree_unflatten(
         treedef, [next(outs) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]

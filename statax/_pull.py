@@ -73,16 +73,18 @@ class _Pulled(eqx.Module):
         if not self.enabled:
             return self.fn(*args, **kwargs), {}
         root, tree, call = _split_callable(self.fn)
-        nnx_split = _nnx.split(tree, args, kwargs)
-        if nnx_split is not None:  # Flax NNX objects: keep their reference semantics
-            packed, args, kwargs, nodes = nnx_split
-            (out, state), inters = self._run(root, _nnx.calling(call), packed, args, kwargs)
+        is_node = _nnx.node_test()  # None unless Flax NNX is imported
+        leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+        if is_node is not None and any(map(is_node, leaves)):
+            # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
+            packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
+            leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
+            (out, state), inters = self._run(root, _nnx.calling(call), leaves, treedef)
             _nnx.update(nodes, state)
             return out, inters
-        return self._run(root, call, tree, args, kwargs)
+        return self._run(root, call, leaves, treedef)
 
-    def _run(self, root, call, tree, args, kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
+    def _run(self, root, call, leaves, treedef):
         traced = _traced_mask(leaves, treedef)
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
         key = (

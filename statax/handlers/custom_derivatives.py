@@ -25,6 +25,7 @@ from .. import _compat
 from .._interpreter import (
     handler_from_exposer,
     inert,
+    only_in,
     pull_jaxpr,
     pulled_with_rule,
     register_handler,
@@ -66,14 +67,7 @@ def _custom_vjp_exposer(*args, **params):
         # to it, as they were to the equation (equinox's `filter_custom_vjp` checks this).
         values = [a.value for a in args]
         live[:] = [i for i, a in enumerate(args) if a.perturbed]
-
-        def of_live(*xs):
-            full = list(values)
-            for i, x in zip(live, xs, strict=True):
-                full[i] = x
-            return original(*full)
-
-        outs, vjp = jax.vjp(of_live, *[values[i] for i in live])
+        outs, vjp = jax.vjp(only_in(original, values, live), *[values[i] for i in live])
         saved = run_pulled(*map(jax.lax.stop_gradient, values))[n:]
         return (*outs, *saved), vjp
 
