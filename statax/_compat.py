@@ -55,6 +55,7 @@ __all__ = [
     "jit_params",
     "linear_solve_params",
     "linear_solve_parts",
+    "new_equation",
     "register_batching_rule",
     "register_jvp_rule",
     "register_lowering_identity",
@@ -224,6 +225,14 @@ def trace(fn: Callable, in_avals: Sequence[Any], name: str = "statax") -> jex.Cl
     wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def new_equation(
+    invars: Sequence[Any], outvars: Sequence[Any], prim: jex.Primitive, params: dict, effects
+) -> jex.JaxprEqn:
+    """A new equation (`jax.extend.core.new_jaxpr_eqn` in JAX 0.8 -- 0.11, deprecated there in
+    0.12; `jax._src.core`'s in all)."""
+    return core.new_jaxpr_eqn(list(invars), list(outvars), prim, params, effects)
 
 
 def bind(prim: jex.Primitive, args: Sequence[Any], params: dict) -> Any:
@@ -499,8 +508,9 @@ def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any], impl: Callable | None = Non
     return list((impl or eqn.primitive.impl)(*args, **eqn.params))
 
 
-def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:
-    """The debug info of a jaxpr whose outputs gained `names` at the end."""
+def extend_debug_info(debug_info: Any, names: Sequence[str], keep: int | None = None) -> Any:
+    """The debug info of a jaxpr whose outputs gained `names` at the end (after its first
+    `keep` outputs, where given: the others are replaced)."""
     if debug_info is None:
         return None
     paths = debug_info.result_paths
@@ -508,7 +518,7 @@ def extend_debug_info(debug_info: Any, names: Sequence[str]) -> Any:
         paths = tuple(paths())
     if not isinstance(paths, tuple):
         return debug_info._replace(result_paths=None)
-    return debug_info._replace(result_paths=paths + tuple(names))
+    return debug_info._replace(result_paths=paths[:keep] + tuple(names))
 
 
 def user_context(eqn: jex.JaxprEqn):

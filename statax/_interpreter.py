@@ -266,24 +266,36 @@ def _pull_closed(closed_jaxpr):
     jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
     if jaxpr is closed_jaxpr.jaxpr:
         return closed_jaxpr, metas
-    new = jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
     if any(m.reduce is not None for m in metas):
-        new, metas = _merge_reduced(new, metas)
-    return new, metas
+        jaxpr, metas = _fold_reduced(jaxpr, metas)
+    return jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts), metas
 
 
-def _merge_reduced(closed, metas):
-    """Fold the occurrences of each reduced name into one accumulator (see `_reduce`)."""
-    num_out = len(closed.out_avals) - sum(m.num_arrays for m in metas)
+def _fold_reduced(jaxpr: jex.Jaxpr, metas):
+    """Fold the occurrences of each reduced name into one accumulator (see `_reduce.merge`):
+    one equation appended after the others, which reads only the intermediates' leaves."""
+    num_leaves = sum(m.num_arrays for m in metas)
+    num_out = len(jaxpr.outvars) - num_leaves
+    leaves = jaxpr.outvars[num_out:]
     merged: list = []
 
-    def run(*args):
-        flat = jex.jaxpr_as_fun(closed)(*args)
-        new_metas, leaves = _reduce.merge(metas, flat[num_out:])
+    def fold(*xs):
+        new_metas, out = _reduce.merge(metas, xs)
         merged.append(new_metas)
-        return [*flat[:num_out], *leaves]
+        return out
 
-    return _compat.trace(run, closed.in_avals, name="reduce"), merged[0]
+    closed = _compat.trace(fold, [x.aval for x in leaves], name="reduce")
+    outvars = [jex.Var(aval) for aval in closed.out_avals]
+    eqn = _compat.new_equation(
+        leaves, outvars, jex.primitives.closed_call_p, {"call_jaxpr": closed}, closed.effects
+    )
+    names = [f"statax:{m.name}" for m in merged[0] for _ in range(m.num_arrays)]
+    new = jaxpr.replace(
+        eqns=[*jaxpr.eqns, eqn],
+        outvars=[*jaxpr.outvars[:num_out], *outvars],
+        debug_info=_compat.extend_debug_info(jaxpr.debug_info, names, keep=num_out),
+    )
+    return new, merged[0]
 
 
 def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:

@@ -27,8 +27,7 @@ from jax.extend import core as jex
 
 from . import _compat
 from ._meta import ARRAY, StateMeta, hashable
-
-MODES = ("stack", "mean", "sum", "min", "max", "first", "last", "collect")
+from ._reduce import MODES
 
 __all__ = ["save_inter", "save_inter_p"]
 

@@ -243,7 +243,7 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False) -> dict
             entries = [(f"{meta.name}_{n}", meta.unflatten(leaves))]
         else:
             entries = [(meta.name, meta.unflatten(_reduce.finalize(meta, leaves)))]
-            if ran and meta.reduce in ("stack", "collect"):
+            if ran and _reduce.stacked(meta):
                 entries.append((meta.name + ".ran", meta.unflatten(_reduce.ran(meta, leaves))))
         for key, value in entries:
             if key in sites:

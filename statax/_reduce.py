@@ -1,17 +1,18 @@
 """Reductions: how the occurrences of a name saved with `save_inter(..., reduce=mode)` combine.
 
 Every occurrence of a reduced name, wherever it is (straight-line call sites, loop iterations,
-branches), folds into one *accumulator*, in program order:
+branches), folds into one *accumulator*, in program order. The modes are one table, `MODES`:
+a mode is one `Mode` entry, and nothing else in statax names a mode. There are two kinds:
 
-* the elementwise modes (`"mean"`, `"sum"`, `"min"`, `"max"`, `"first"`, `"last"`) keep each
-  array leaf beside a count of the same shape (how many occurrences reached each element), so
-  that a branch not taken or a loop that never ran contributes nothing. Inside a `scan` or a
+* *running* modes (`"mean"`, `"sum"`, `"min"`, `"max"`, `"first"`, `"last"`) keep each array
+  leaf beside a count of the same shape (how many occurrences reached each element), so that a
+  branch not taken or a loop that never ran contributes nothing. Inside a `scan` or a
   `while_loop` they are a running value in the loop's carry: no per-iteration storage;
-* `"stack"` keeps the occurrences stacked along an occurrence axis (after any batch axes);
-* `"collect"` ravels each occurrence and concatenates them (learned_optimization's `collect`).
-  Under `jit` their length is fixed when the program is traced, so an occurrence that did not
-  run (a `cond` branch not taken) is a row (or run of elements) of zeros; each leaf keeps a
-  boolean mask beside it, true where an occurrence ran (`pull(fn, ran=True)` returns it).
+* *occurrence-axis* modes (`"stack"`, `"collect"`) keep the occurrences one after another along
+  an occurrence axis (after any batch axes). Under `jit` its length is fixed when the program is
+  traced, so an occurrence that did not run (a `cond` branch not taken) is a row (or run of
+  elements) of zeros; each leaf keeps a boolean mask beside it, true where an occurrence ran
+  (`pull(fn, ran=True)` returns it). A `while_loop` refuses them.
 
 `finalize` turns an accumulator into the value `pull` returns. A name none of whose
 occurrences ran gives zeros.
@@ -20,7 +21,7 @@ occurrences ran gives zeros.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,38 +29,170 @@ import jax.numpy as jnp
 from . import _compat
 from ._errors import ReduceMismatchError
 from ._meta import StateMeta
-from ._primitive import MODES
 
 __all__ = [
-    "ELEMENTWISE",
     "MODES",
+    "Mode",
     "across_shards",
+    "check_in_while",
     "combine",
     "finalize",
     "fold_axis",
     "identity",
     "merge",
+    "mode",
     "ran",
     "running",
+    "stacked",
     "to_accumulator",
 ]
 
-ELEMENTWISE = ("mean", "sum", "min", "max", "first", "last")
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One reduction mode: what `save_inter(..., reduce=name)` does.
+
+    Attributes:
+        name: the mode's name.
+        running: a running value beside a count (elementwise); else an occurrence axis beside
+            a mask.
+        start: occurrence-axis modes: `start(x, b)`, one occurrence's leaf (with `b` batch
+            axes) as its rows along the occurrence axis at `b`.
+        pick: running modes: `pick(x, m, y, n)`, the value of the occurrences `x` (counted by
+            `m`) followed by `y` (counted by `n`).
+        across: running modes: `across(v, n, axes)`, inside a `shard_map`, the value over
+            every shard (counted by `n`) with collectives over the manual mesh `axes`.
+        finish: `finish(v, n)`, the value `pull` returns (`n`: the count; or the mask).
+        in_while: whether a `while_loop` may hold it (its iteration count is not known when
+            compiled, so an occurrence axis cannot be sized).
+        any_shape: whether occurrences of different shapes may combine.
+    """
+
+    name: str
+    running: bool
+    finish: Callable
+    start: Callable | None = None
+    pick: Callable | None = None
+    across: Callable | None = None
+    in_while: bool = True
+    any_shape: bool = False
+
+
+def _largest(dtype, sign):
+    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+    return info.max if sign > 0 else info.min
+
+
+def _shard_index(axes):
+    return _compat.vary(jax.lax.axis_index(axes), axes)
+
+
+def _where_ran(v, n):
+    return jnp.where(n > 0, v, 0).astype(v.dtype)
+
+
+def _values(v, n):
+    return v
+
+
+_TABLE = (
+    Mode(
+        "stack",
+        running=False,
+        start=lambda x, b: jnp.expand_dims(x, b),
+        finish=_values,
+        in_while=False,
+    ),
+    Mode(
+        "collect",
+        running=False,
+        start=lambda x, b: jnp.reshape(x, (*jnp.shape(x)[:b], -1)),
+        finish=_values,
+        in_while=False,
+        any_shape=True,
+    ),
+    Mode(
+        "mean",
+        running=True,
+        pick=lambda x, m, y, n: x + y,
+        across=lambda v, n, axes: jax.lax.psum(v, axes),
+        finish=lambda v, n: jnp.where(n > 0, v / jnp.maximum(n, 1), 0),
+    ),
+    Mode(
+        "sum",
+        running=True,
+        pick=lambda x, m, y, n: x + y,
+        across=lambda v, n, axes: jax.lax.psum(v, axes),
+        finish=_values,
+    ),
+    Mode(
+        "min",
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(n == 0, x, jnp.where(m == 0, y, jnp.minimum(x, y))),
+        across=lambda v, n, axes: jax.lax.pmin(jnp.where(n > 0, v, _largest(v.dtype, 1)), axes),
+        finish=_where_ran,
+    ),
+    Mode(
+        "max",
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(n == 0, x, jnp.where(m == 0, y, jnp.maximum(x, y))),
+        across=lambda v, n, axes: jax.lax.pmax(jnp.where(n > 0, v, _largest(v.dtype, -1)), axes),
+        finish=_where_ran,
+    ),
+    Mode(
+        "first",
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(m > 0, x, y),
+        # the value of the first shard, in shard order, that has one
+        across=lambda v, n, axes: _from_shard(
+            v,
+            jax.lax.pmin(jnp.where(n > 0, _shard_index(axes), jnp.iinfo(jnp.int32).max), axes),
+            axes,
+        ),
+        finish=_where_ran,
+    ),
+    Mode(
+        "last",
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(n > 0, y, x),
+        across=lambda v, n, axes: _from_shard(
+            v, jax.lax.pmax(jnp.where(n > 0, _shard_index(axes), -1), axes), axes
+        ),
+        finish=_where_ran,
+    ),
+)
+
+
+def _from_shard(v, chosen, axes):
+    """Shard `chosen`'s `v`, on every shard."""
+    return jax.lax.psum(jnp.where(_shard_index(axes) == chosen, v, jnp.zeros_like(v)), axes)
+
+
+MODES: dict[str, Mode] = {m.name: m for m in _TABLE}
+
+
+def mode(meta: StateMeta) -> Mode:
+    """The `Mode` of a reduced intermediate."""
+    return MODES[meta.reduce]
+
+
+def _split(meta, leaves):
+    n = meta.num_values
+    return leaves[:n], leaves[n:]
 
 
 def to_accumulator(meta: StateMeta, leaves: Sequence) -> tuple[StateMeta, list]:
     """One occurrence's values as an accumulator."""
     if meta.accumulator:
         return meta, list(leaves)
-    b = meta.batch_ndim
-    if meta.reduce == "stack":
-        acc = [jnp.expand_dims(x, b) for x in leaves]
-        acc += [jnp.ones((*jnp.shape(x)[:b], 1), bool) for x in leaves]  # one per row
-    elif meta.reduce == "collect":
-        acc = [jnp.reshape(x, (*jnp.shape(x)[:b], -1)) for x in leaves]
-        acc += [jnp.ones(jnp.shape(x), bool) for x in acc]  # one per element
-    else:
+    m, b = mode(meta), meta.batch_ndim
+    if m.running:
         acc = [*leaves, *(jnp.ones(jnp.shape(x), jnp.int32) for x in leaves)]
+    else:
+        rows = [m.start(x, b) for x in leaves]
+        acc = [*rows, *(jnp.ones(jnp.shape(x)[: b + 1], bool) for x in rows)]
+        if m.any_shape:  # one mask entry per element: occurrences of any shape line up
+            acc[len(rows) :] = [jnp.ones(jnp.shape(x), bool) for x in rows]
     return dataclasses.replace(meta, accumulator=True), acc
 
 
@@ -69,35 +202,18 @@ def identity(meta: StateMeta, avals: Sequence) -> list:
     return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
 
-def _split(meta, leaves):
-    n = meta.num_values
-    return leaves[:n], leaves[n:]
-
-
 def combine(meta_a: StateMeta, a: Sequence, meta_b: StateMeta, b: Sequence) -> list:
     """The accumulator of `a`'s occurrences followed by `b`'s (both accumulators)."""
-    mode = meta_a.reduce
-    if mode in ("stack", "collect"):
+    m = mode(meta_a)
+    if not m.running:
         ba, bb = meta_a.batch_ndim, meta_b.batch_ndim
         return [
             jnp.concatenate(_lead(x, ba, y, bb), axis=max(ba, bb))
             for x, y in zip(a, b, strict=True)
         ]
     (va, na), (vb, nb) = _split(meta_a, a), _split(meta_b, b)
-    values, counts = [], []
-    for x, m, y, n in zip(va, na, vb, nb, strict=True):
-        if mode in ("sum", "mean"):
-            v = x + y
-        elif mode in ("min", "max"):
-            both = jnp.minimum(x, y) if mode == "min" else jnp.maximum(x, y)
-            v = jnp.where(n == 0, x, jnp.where(m == 0, y, both))
-        elif mode == "first":
-            v = jnp.where(m > 0, x, y)
-        else:  # last
-            v = jnp.where(n > 0, y, x)
-        values.append(v)
-        counts.append(m + n)
-    return [*values, *counts]
+    values = [m.pick(x, i, y, j) for x, i, y, j in zip(va, na, vb, nb, strict=True)]
+    return [*values, *(i + j for i, j in zip(na, nb, strict=True))]
 
 
 def _lead(x, bx, y, by):
@@ -111,13 +227,24 @@ def _lead(x, bx, y, by):
 
 def running(meta: StateMeta) -> bool:
     """Whether a loop keeps this intermediate as a running value in its carry."""
-    return meta.accumulator and meta.reduce in ELEMENTWISE
+    return meta.accumulator and meta.reduce is not None and mode(meta).running
+
+
+def stacked(meta: StateMeta) -> bool:
+    """Whether this intermediate is reduced along an occurrence axis (`"stack"`, `"collect"`)."""
+    return meta.reduce is not None and not mode(meta).running
+
+
+def check_in_while(meta: StateMeta) -> None:
+    """Raise where a `while_loop` cannot hold this intermediate's mode."""
+    if meta.reduce is not None and not mode(meta).in_while:
+        raise ReduceMismatchError.in_while_loop(meta)
 
 
 def fold_axis(meta: StateMeta, leaves: Sequence, axis: int) -> list:
     """An accumulator with an extra axis at `axis` (one accumulator per index, in order: a
     scan's iterations, a shard_map's shards) folded into one."""
-    if meta.reduce in ("stack", "collect"):  # merge it into the occurrence axis after it
+    if not mode(meta).running:  # merge it into the occurrence axis after it
         return [
             jnp.reshape(
                 x, (*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
@@ -132,56 +259,25 @@ def fold_axis(meta: StateMeta, leaves: Sequence, axis: int) -> list:
 
 
 def across_shards(meta: StateMeta, leaves: Sequence, axes: tuple) -> list:
-    """Inside a `shard_map`: the elementwise accumulator of all shards (the same on every
-    shard), combined with collectives over the manual mesh `axes` in shard order."""
+    """Inside a `shard_map`: the running accumulator of all shards (the same on every shard),
+    combined with collectives over the manual mesh `axes` in shard order."""
     # Collectives over several axes need values that vary over all of them.
     values, counts = _split(meta, [_compat.vary(x, axes) for x in leaves])
-    total = [jax.lax.psum(n, axes) for n in counts]
-    if meta.reduce in ("sum", "mean"):
-        return [*(jax.lax.psum(v, axes) for v in values), *total]
-    if meta.reduce in ("min", "max"):
-        out = []
-        for v, n in zip(values, counts, strict=True):
-            info = (
-                jnp.finfo(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype)
-            )
-            if meta.reduce == "min":
-                out.append(jax.lax.pmin(jnp.where(n > 0, v, info.max), axes))
-            else:
-                out.append(jax.lax.pmax(jnp.where(n > 0, v, info.min), axes))
-        return [*out, *total]
-    # first / last: the value of the first / last shard, in shard order, that has one.
-    index = _compat.vary(jax.lax.axis_index(axes), axes)
-    out = []
-    for v, n in zip(values, counts, strict=True):
-        if meta.reduce == "first":
-            chosen = jax.lax.pmin(jnp.where(n > 0, index, jnp.iinfo(jnp.int32).max), axes)
-        else:
-            chosen = jax.lax.pmax(jnp.where(n > 0, index, -1), axes)
-        out.append(jax.lax.psum(jnp.where(index == chosen, v, jnp.zeros_like(v)), axes))
-    return [*out, *total]
+    across = mode(meta).across
+    out = [across(v, n, axes) for v, n in zip(values, counts, strict=True)]
+    return [*out, *(jax.lax.psum(n, axes) for n in counts)]
 
 
 def ran(meta: StateMeta, leaves: Sequence) -> list:
-    """The masks of a `"stack"` or `"collect"` accumulator: per leaf, true where an occurrence
-    ran (`"stack"`: shape `(*batch, occurrences)`; `"collect"`: the value's shape)."""
+    """The masks of an occurrence-axis accumulator: per leaf, true where an occurrence ran
+    (`"stack"`: shape `(*batch, occurrences)`; `"collect"`: the value's shape)."""
     return list(_split(meta, leaves)[1])
 
 
 def finalize(meta: StateMeta, leaves: Sequence) -> list:
     """The values `pull` returns for an accumulator."""
-    values, counts = _split(meta, leaves)
-    if meta.reduce in ("stack", "collect"):
-        return list(values)
-    out = []
-    for v, n in zip(values, counts, strict=True):
-        if meta.reduce == "sum":
-            out.append(v)
-        elif meta.reduce == "mean":
-            out.append(jnp.where(n > 0, v / jnp.maximum(n, 1), 0))
-        else:
-            out.append(jnp.where(n > 0, v, 0).astype(v.dtype))
-    return out
+    finish = mode(meta).finish
+    return [finish(v, n) for v, n in zip(*_split(meta, leaves), strict=True)]
 
 
 def merge(metas: Sequence[StateMeta], leaves: Sequence) -> tuple[tuple[StateMeta, ...], list]:
@@ -223,14 +319,13 @@ def merge(metas: Sequence[StateMeta], leaves: Sequence) -> tuple[tuple[StateMeta
 def _compatible(meta_a, a, meta_b, b) -> bool:
     if meta_a.treedef != meta_b.treedef or meta_a.static_leaves != meta_b.static_leaves:
         return False
-    if meta_a.reduce in ("stack", "collect"):
-        skip_a, skip_b = meta_a.batch_ndim + 1, meta_b.batch_ndim + 1
-    else:
-        skip_a, skip_b = meta_a.batch_ndim, meta_b.batch_ndim
-    return (
-        all(
-            jnp.shape(x)[skip_a:] == jnp.shape(y)[skip_b:] and x.dtype == y.dtype
-            for x, y in zip(a, b, strict=True)
-        )
-        or meta_a.reduce == "collect"
+    m = mode(meta_a)
+    if m.any_shape:
+        return True
+    skip_a, skip_b = meta_a.batch_ndim, meta_b.batch_ndim
+    if not m.running:  # past the occurrence axis
+        skip_a, skip_b = skip_a + 1, skip_b + 1
+    return all(
+        jnp.shape(x)[skip_a:] == jnp.shape(y)[skip_b:] and x.dtype == y.dtype
+        for x, y in zip(a, b, strict=True)
     )

@@ -287,3 +287,50 @@ def test_scan_reverse_first_and_last_follow_execution_order():
     inters = stx.pull(f)(0.0)[1]
     assert float(inters["first"]) == 2.0 and float(inters["last"]) == 0.0
     np.testing.assert_allclose(inters["stack"], [0.0, 1.0, 2.0])  # in the order of ys
+
+
+def test_a_new_mode_is_one_table_entry(monkeypatch):
+    # A product mode, added as one `Mode`: straight-line code, scan, while, cond and shard_map
+    # need no other change.
+    from statax import _reduce
+
+    prod = _reduce.Mode(
+        "prod",
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(m == 0, y, jnp.where(n == 0, x, x * y)),
+        across=lambda v, n, axes: jnp.exp(lax.psum(jnp.log(v), axes)),
+        finish=lambda v, n: jnp.where(n > 0, v, 0),
+    )
+    monkeypatch.setitem(_reduce.MODES, "prod", prod)
+    v = jnp.array([2.0, 3.0])
+
+    def f(x, p):
+        stx.save_inter(x, name="p", reduce="prod")
+        lax.scan(lambda c, _: (stx.save_inter(c, name="p", reduce="prod") * 2, None), x, None, 3)
+        lax.while_loop(
+            lambda c: c[0] < 2,
+            lambda c: (c[0] + 1, stx.save_inter(c[1], name="p", reduce="prod")),
+            (0, x),
+        )
+        lax.cond(p, lambda: stx.save_inter(x, name="p", reduce="prod"), lambda: x)
+        return x
+
+    # x * (x * 2x * 4x) * (x * x) * [x if p]
+    for p, power, factor in ((True, 7, 8.0), (False, 6, 8.0)):
+        _, inters = stx.pull(jax.jit(f))(v, p)
+        assert list(inters) == ["p"]
+        assert_tree_allclose(inters["p"], v**power * factor)
+
+    # Across the 4 shards of a shard_map: the product of every shard's value.
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("s",))
+    local = jax.shard_map(
+        lambda x: stx.save_inter(x * 1.0, name="p", reduce="prod"),
+        mesh=mesh,
+        in_specs=P("s"),
+        out_specs=P("s"),
+    )
+    xs = jnp.array([1.0, 2.0, 3.0, 4.0])
+    _, inters = stx.pull(jax.jit(local))(xs)
+    assert_tree_allclose(inters["p"], jnp.array([24.0]), rtol=1e-5)

@@ -34,7 +34,6 @@ from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
 from .. import _compat, _equinox, _reduce
-from .._errors import ReduceMismatchError
 from .._interpreter import pull_jaxpr, register_exposer, split_leaves
 
 
@@ -89,8 +88,7 @@ def _bounded_loop_scan(args, parts, body, metas):
     not one row per possible step. An iteration ran for an example where equinox's step
     counter moved and its per-example flag was still set."""
     for meta in metas:
-        if meta.reduce in ("stack", "collect"):
-            raise ReduceMismatchError.in_while_loop(meta)
+        _reduce.check_in_while(meta)
     num_consts, num_carry = parts.num_consts, parts.num_carry
     num_out = len(parts.jaxpr.out_avals)
     consts = args[:num_consts]
@@ -148,8 +146,7 @@ def _while_exposer(*args, **params):
     cond_fn, cond_metas = pull_jaxpr(cond_jaxpr)
     body_fn, body_metas = pull_jaxpr(body_jaxpr)
     for meta in (*cond_metas, *body_metas):
-        if meta.reduce in ("stack", "collect"):
-            raise ReduceMismatchError.in_while_loop(meta)
+        _reduce.check_in_while(meta)
     n = len(init)
     running = _equinox.loop_running(cond_jaxpr, init)
 

@@ -63,7 +63,7 @@ def _shard_map_exposer(*args, **params):
     )(*args)
     # "stack" and "collect" accumulators: the shards' occurrences, one after another.
     folded = [
-        _reduce.fold_axis(m, part, m.batch_ndim) if m.reduce in ("stack", "collect") else part
+        _reduce.fold_axis(m, part, m.batch_ndim) if _reduce.stacked(m) else part
         for m, part in zip(metas, split_leaves(leaves, metas), strict=True)
     ]
     return outs, [x for part in folded for x in part], metas
