@@ -95,6 +95,17 @@ def _values(v, n):
     return v
 
 
+def _extreme(name, pick, reduce_shards, sign):
+    """`"min"` or `"max"`: elementwise, over the occurrences that reached each element."""
+    return Mode(
+        name,
+        running=True,
+        pick=lambda x, m, y, n: jnp.where(n == 0, x, jnp.where(m == 0, y, pick(x, y))),
+        across=lambda v, n, axes: reduce_shards(jnp.where(n > 0, v, _largest(v.dtype, sign)), axes),
+        finish=_where_ran,
+    )
+
+
 _TABLE = (
     Mode(
         "stack",
@@ -125,20 +136,8 @@ _TABLE = (
         across=lambda v, n, axes: jax.lax.psum(v, axes),
         finish=_values,
     ),
-    Mode(
-        "min",
-        running=True,
-        pick=lambda x, m, y, n: jnp.where(n == 0, x, jnp.where(m == 0, y, jnp.minimum(x, y))),
-        across=lambda v, n, axes: jax.lax.pmin(jnp.where(n > 0, v, _largest(v.dtype, 1)), axes),
-        finish=_where_ran,
-    ),
-    Mode(
-        "max",
-        running=True,
-        pick=lambda x, m, y, n: jnp.where(n == 0, x, jnp.where(m == 0, y, jnp.maximum(x, y))),
-        across=lambda v, n, axes: jax.lax.pmax(jnp.where(n > 0, v, _largest(v.dtype, -1)), axes),
-        finish=_where_ran,
-    ),
+    _extreme("min", jnp.minimum, jax.lax.pmin, 1),
+    _extreme("max", jnp.maximum, jax.lax.pmax, -1),
     Mode(
         "first",
         running=True,
