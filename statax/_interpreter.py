@@ -31,7 +31,7 @@ from jax.extend import core as jex
 from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
-from ._primitive import save_inter_p
+from ._primitive import INERT, bound_status, collected, save_inter_p
 
 __all__ = [
     "Exposer",
@@ -188,7 +188,7 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
 def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
-            if eqn.params["collect"] and _selected(eqn.params["meta"]):
+            if collected(eqn.params) and _selected(eqn.params["meta"]):
                 yield eqn.params["meta"]
         else:
             yield from _eqn_saves(eqn)
@@ -320,7 +320,7 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
         if eqn.primitive is save_inter_p:
             for out, x in zip(eqn.outvars, eqn.invars, strict=True):
                 forwarded[out] = x
-            if eqn.params["collect"] and _selected(eqn.params["meta"]):
+            if collected(eqn.params) and _selected(eqn.params["meta"]):
                 extra.extend(eqn.invars)
                 metas.append(eqn.params["meta"])
             continue
@@ -422,7 +422,7 @@ _INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def inert(jaxpr):
-    """`jaxpr` (open or closed) with every mark, at any depth, made inert (`collect=False`).
+    """`jaxpr` (open or closed) with every mark, at any depth, made inert (never collected).
 
     For handlers that bind an equation as it was, to delegate to its own rules (custom
     derivatives, linear solves, see `pulled_with_rule`): its marks must not be collected again
@@ -443,7 +443,7 @@ def _inert(jaxpr):
         eqns = []
         for eqn in jaxpr.eqns:
             if eqn.primitive is save_inter_p:
-                eqn = eqn.replace(params=dict(eqn.params, collect=False, active=False))
+                eqn = eqn.replace(params=dict(eqn.params, status=INERT))
             elif _eqn_saves(eqn):
                 eqn = eqn.replace(params={k: _inert_param(v) for k, v in eqn.params.items()})
             eqns.append(eqn.replace(effects=_without_save_effect(eqn.effects)))
@@ -525,9 +525,7 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
     start = 0
     for meta in metas:
         stop = start + meta.num_arrays
-        save_inter_p.bind(
-            *leaves[start:stop], meta=meta, collect=True, active=bool(_compat.PULLING.value)
-        )
+        save_inter_p.bind(*leaves[start:stop], meta=meta, status=bound_status())
         start = stop
 
 

@@ -5,11 +5,11 @@ op, its JVP saves the primal and passes tangents through, it transposes to the i
 under `vmap` it hands its operands on untouched (the batch axis is moved to 0 only on the copy
 that is saved). Two things keep a mark alive where JAX would otherwise lose or repeat it:
 
-* while a `pull` traces it (`active=True`) it carries `SaveEffect`, so that no dead-code
+* while a `pull` traces it (`status="collecting"`) it carries `SaveEffect`, so that no dead-code
   elimination drops it, and `pull(grad(jit(f)))` still collects a value nobody reads. Outside
   a `pull` it has no effect, and XLA removes it like any identity;
 * `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
-  rematerialisation replays in the backward pass into an inert one (`collect=False`), so that
+  rematerialisation replays in the backward pass into an inert one (`status="inert"`), so that
   each value is collected once, not once per recomputation.
 """
 
@@ -29,7 +29,20 @@ from . import _compat
 from ._meta import ARRAY, StateMeta, hashable
 from ._reduce import MODES
 
-__all__ = ["save_inter", "save_inter_p"]
+# A mark's `status` param, one of three:
+COLLECTING = "collecting"  # bound while a `pull` traces: carries SaveEffect; collected
+IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by a later pull_jaxpr
+INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
+
+__all__ = [
+    "COLLECTING",
+    "IDLE",
+    "INERT",
+    "bound_status",
+    "collected",
+    "save_inter",
+    "save_inter_p",
+]
 
 T = TypeVar("T")
 
@@ -99,28 +112,39 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     static = tuple(ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True))
     meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
-    collect, active = True, bool(_compat.PULLING.value)
-    if active:  # `pull(fn, only=...)`: decided here, where the mark is bound
-        selection = _compat.SELECTION.value
+    status = IDLE
+    if _compat.PULLING.value:
+        status = COLLECTING
+        selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
         if selection is not None and not selection(meta):
-            collect = active = False
-    outs = iter(save_inter_p.bind(*arrays, meta=meta, collect=collect, active=active))
+            status = INERT
+    outs = iter(save_inter_p.bind(*arrays, meta=meta, status=status))
     return jax.tree_util.tree_unflatten(
         treedef, [next(outs) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
     )
+
+
+def bound_status() -> str:
+    """The status of a mark bound now: collecting while a `pull` traces, idle otherwise."""
+    return COLLECTING if _compat.PULLING.value else IDLE
+
+
+def collected(params: dict) -> bool:
+    """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
+    return params["status"] != INERT
 
 
 # ---- rules ---------------------------------------------------------------------------------
 
 
 @save_inter_p.def_impl
-def _impl(*xs, meta, collect, active):
+def _impl(*xs, meta, status):
     return xs
 
 
 @save_inter_p.def_effectful_abstract_eval
-def _abstract_eval(*avals, meta, collect, active):
-    return avals, ({_compat.SAVE_EFFECT} if collect and active else set())
+def _abstract_eval(*avals, meta, status):
+    return avals, ({_compat.SAVE_EFFECT} if status == COLLECTING else set())
 
 
 _compat.register_lowering_identity(save_inter_p)
@@ -163,5 +187,5 @@ def _batch(axis_size, vals, dims, **params):
 
 _compat.register_batching_rule(save_inter_p, _batch)
 _compat.register_remat_partial_eval_rule(
-    save_inter_p, recompute_params=lambda params: dict(params, collect=False, active=False)
+    save_inter_p, recompute_params=lambda params: dict(params, status=INERT)
 )
