@@ -92,7 +92,7 @@ def main():
 
     # Fresh function objects each time, so that no trace or rewrite cache is hit.
     def trace_and_rewrite():
-        stx.pull_jaxpr(jax.make_jaxpr(lambda p, x: marked(p, x))(params, x))
+        stx.extend.pull_jaxpr(jax.make_jaxpr(lambda p, x: marked(p, x))(params, x))
 
     def trace_only():
         jax.make_jaxpr(lambda p, x: marked(p, x))(params, x)

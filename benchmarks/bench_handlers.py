@@ -135,7 +135,7 @@ def scaling():
         start = time.perf_counter()
         closed = jax.make_jaxpr(f)(1.0)
         traced = time.perf_counter()
-        _, metas = stx.pull_jaxpr(closed)
+        _, metas, _ = stx.extend.pull_jaxpr(closed)
         done = time.perf_counter()
         count = len(closed.jaxpr.eqns)
         per_eqn[n] = (done - start) / count

@@ -6,6 +6,7 @@ Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
 
 import importlib.metadata
 
+from . import extend as extend
 from . import handlers as handlers  # registers the built-in handlers
 from ._display import describe as describe
 from ._errors import BranchMismatchError as BranchMismatchError
@@ -13,17 +14,9 @@ from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
 from ._errors import ReduceMismatchError as ReduceMismatchError
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
-from ._interpreter import Handler as Handler
-from ._interpreter import find_saves as find_saves
-from ._interpreter import handler_from_exposer as handler_from_exposer
-from ._interpreter import pull_jaxpr as pull_jaxpr
-from ._interpreter import register_exposer as register_exposer
-from ._interpreter import register_handler as register_handler
-from ._interpreter import with_extra_outputs as with_extra_outputs
-from ._meta import ARRAY as ARRAY
 from ._meta import StateMeta as StateMeta
 from ._primitive import save_inter as save_inter
-from ._primitive import save_inter_p as save_inter_p
+from ._pull import Key as Key
 from ._pull import pull as pull
 from ._records import records as records
 from ._scope import scope as scope
@@ -42,10 +35,9 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not instal
     __version__ = "0.0.0"
 
 __all__ = [
-    "ARRAY",
     "BranchMismatchError",
-    "Handler",
     "HandlerError",
+    "Key",
     "KeyCollisionError",
     "ReduceMismatchError",
     "StateMeta",
@@ -53,21 +45,15 @@ __all__ = [
     "Tracker",
     "UnhandledPrimitiveError",
     "describe",
-    "find_saves",
+    "extend",
     "plot_exponent_histogram",
     "plot_heatmap",
     "plot_stat",
     "pull",
-    "handler_from_exposer",
-    "pull_jaxpr",
     "records",
-    "register_exposer",
-    "register_handler",
     "save_inter",
     "scope",
     "stats",
     "to_dataframe",
     "tree_stats",
-    "save_inter_p",
-    "with_extra_outputs",
 ]

@@ -30,16 +30,20 @@ __all__ = [
     "HI_PRIMITIVE",
     "JAX_VERSION",
     "JIT_PRIMITIVE",
+    "PLANTING",
     "PULLING",
     "REMAT_PRIMITIVE",
     "SAVE_EFFECT",
     "SCOPE",
+    "SELECTION",
     "SHARD_MAP_PRIMITIVE",
     "UNSPECIFIED_SHARDING",
     "LinearSolveParts",
     "ScanParts",
     "ShardMapParts",
     "WhileParts",
+    "batch_traced",
+    "batching_rule",
     "bind",
     "call_jaxpr",
     "call_params",
@@ -59,10 +63,10 @@ __all__ = [
     "register_batching_rule",
     "register_jvp_rule",
     "register_lowering_identity",
-    "register_rebatching",
     "register_remat_partial_eval_rule",
     "register_transpose_rule",
     "scan_params",
+    "set_batching_rule",
     "scan_parts",
     "shard_map_manual_axes",
     "shard_map_parts",
@@ -135,6 +139,16 @@ SCOPE = jax_config.string_or_object_state(
 )
 
 
+# Which marks a rewrite turns into inputs (values planted from outside), a predicate on StateMeta
+# or None; part of the trace context as the selection is.
+PLANTING = jax_config.string_or_object_state(
+    "statax_planting",
+    None,
+    "Internal to statax: which marks the rewrite in force turns into inputs.",
+    include_in_trace_context=True,
+)
+
+
 # The selection of the `pull` tracing (`pull(fn, only=...)`), a predicate on StateMeta or None;
 # part of the trace context for the same reason as the scope.
 SELECTION = jax_config.string_or_object_state(
@@ -191,30 +205,10 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching.fancy_primitive_batchers[prim] = fancy
 
 
-def register_remat_partial_eval_rule(
-    prim: jex.Primitive, recompute_params: Callable[[dict], dict]
-) -> None:
-    """How `jax.checkpoint`'s partial evaluation splits an identity primitive.
-
-    With known inputs, the equation runs in the forward ("known") pass as it is; the copy that
-    rematerialisation replays in the backward ("staged") pass gets `recompute_params(params)`.
-    With unknown inputs it is staged whole.
-    """
-
-    def rule(saveable, unks_in, inst_in, eqn):
-        residuals = [
-            v
-            for v, inst in zip(eqn.invars, inst_in, strict=True)
-            if isinstance(v, jex.Var) and not inst
-        ]
-        n = len(eqn.outvars)
-        if any(unks_in):
-            return None, eqn, [True] * n, [True] * n, residuals
-        params = recompute_params(eqn.params)
-        _, effects = prim.abstract_eval(*[x.aval for x in eqn.invars], **params)
-        staged = eqn.replace(params=params, effects=effects)
-        return eqn, staged, [False] * n, [True] * n, residuals
-
+def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:
+    """Register `rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn, unks_out,
+    inst_out, residuals)`, how `jax.checkpoint`'s partial evaluation splits an equation of
+    `prim` (signature unchanged in JAX 0.8 -- 0.12)."""
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
@@ -245,35 +239,30 @@ def bind(prim: jex.Primitive, args: Sequence[Any], params: dict) -> Any:
     return prim.bind(*args, **bind_params)
 
 
-def register_rebatching(
-    prim: jex.Primitive,
-    needs_rebatching: Callable[[dict], bool],
-    staged: Callable[..., Sequence[Any]],
-) -> None:
-    """Run `staged(*args, **params)` instead of `prim`'s own batching rule where
-    `needs_rebatching(params)`.
+def batching_rule(prim: jex.Primitive) -> Callable | None:
+    """`prim`'s batching rule, `rule(axis_data, args, dims, **params) -> (outs, out_dims)`
+    (JAX's "fancy" batchers, 0.5+), or `None`."""
+    return batching.fancy_primitive_batchers.get(prim)
 
-    JAX batches a `cond`, `scan` or `while` as a whole, before `pull` sees it (a batched `cond`
-    even becomes a select over both branches). Where such a primitive holds marks, `staged`
-    takes the intermediates out of it (as `pull`'s handler does) and marks them again outside;
-    it is traced per example and batched with JAX's own rules, in which `prim` holds no marks
-    any more and so is batched by its own rule. Elsewhere the original rule runs untouched.
-    """
-    original = batching.fancy_primitive_batchers[prim]
 
-    def rule(axis_data, args, dims, **params):
-        if not needs_rebatching(params):
-            return original(axis_data, args, dims, **params)
-        in_avals = [
-            core.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
-            for x, d in zip(args, dims, strict=True)
-        ]
-        closed = trace(lambda *a: staged(*a, **params), in_avals, name=f"statax_{prim}")
-        batched, out_dims = batching.batch_jaxpr2(closed, axis_data, tuple(dims))
-        return jex.jaxpr_as_fun(batched)(*args), list(out_dims)
+def set_batching_rule(prim: jex.Primitive, rule: Callable | None) -> None:
+    """Set (or, with `None`, remove) a rule of the kind `batching_rule` returns."""
+    if rule is None:
+        batching.fancy_primitive_batchers.pop(prim, None)
+    else:
+        batching.fancy_primitive_batchers[prim] = rule
 
-    rule._statax_original = original
-    batching.fancy_primitive_batchers[prim] = rule
+
+def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:
+    """Inside a batching rule: `fn` traced per example and batched with JAX's own rules, applied
+    to `args` (batched along `dims`); returns `(outs, out_dims)`."""
+    in_avals = [
+        core.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    closed = trace(fn, in_avals, name="statax_batched")
+    batched, out_dims = batching.batch_jaxpr2(closed, axis_data, tuple(dims))
+    return jex.jaxpr_as_fun(batched)(*args), list(out_dims)
 
 
 # ---- what handlers read from and write to equations' params --------------------------------
@@ -360,14 +349,19 @@ def jit_jaxpr(params: dict) -> jex.ClosedJaxpr:
 
 
 def jit_params(params: dict, jaxpr: jex.ClosedJaxpr) -> dict:
-    """A `jit` equation's params for `jaxpr`, which returns the original outputs followed by new
-    ones: those get unspecified sharding and default layout (the compiler chooses)."""
+    """A `jit` equation's params for `jaxpr`, which takes the original inputs followed by new
+    ones and returns the original outputs followed by new ones: those get unspecified sharding
+    and default layout (the compiler chooses), and are not donated."""
     k = len(jaxpr.out_avals) - len(params["out_shardings"])
+    i = len(jaxpr.in_avals) - len(params["in_shardings"])
     return dict(
         params,
         jaxpr=jaxpr,
         out_shardings=(*params["out_shardings"], *(UNSPECIFIED_SHARDING,) * k),
         out_layouts=(*params["out_layouts"], *(None,) * k),
+        in_shardings=(*params["in_shardings"], *(UNSPECIFIED_SHARDING,) * i),
+        in_layouts=(*params["in_layouts"], *(None,) * i),
+        donated_invars=(*params["donated_invars"], *(False,) * i),
     )
 
 
@@ -508,11 +502,15 @@ def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any], impl: Callable | None = Non
     return list((impl or eqn.primitive.impl)(*args, **eqn.params))
 
 
-def extend_debug_info(debug_info: Any, names: Sequence[str], keep: int | None = None) -> Any:
+def extend_debug_info(
+    debug_info: Any, names: Sequence[str], keep: int | None = None, arg_names: Sequence[str] = ()
+) -> Any:
     """The debug info of a jaxpr whose outputs gained `names` at the end (after its first
-    `keep` outputs, where given: the others are replaced)."""
+    `keep` outputs, where given: the others are replaced), and its inputs `arg_names`."""
     if debug_info is None:
         return None
+    if arg_names and isinstance(debug_info.arg_names, tuple):
+        debug_info = debug_info._replace(arg_names=debug_info.arg_names + tuple(arg_names))
     paths = debug_info.result_paths
     if callable(paths):
         paths = tuple(paths())

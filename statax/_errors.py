@@ -36,7 +36,7 @@ class UnhandledPrimitiveError(NotImplementedError):
         super().__init__(
             f"statax.pull cannot look inside the primitive `{primitive}`, {where}"
             f"{_where(self.metas)}.\n"
-            f"To fix: register a handler with `statax.register_handler({primitive}_p, handler)` "
+            f"To fix: register a handler with `statax.extend.register_handler({primitive}_p, handler)` "
             "(see 'Writing a handler' in the docs), or move the save_inter out of the "
             f"`{primitive}`."
         )
@@ -49,8 +49,9 @@ class HandlerError(TypeError):
         self.primitive = primitive
         super().__init__(
             f"The statax handler for `{primitive}` {problem}. A handler returns "
-            "(new_eqn, metas): new_eqn's outputs are the original ones followed by the array "
-            "leaves of each StateMeta in metas, in order."
+            "statax.extend.Rewrite(new_eqn, outs, ins): new_eqn's outputs are the original "
+            "ones followed by the array leaves of each StateMeta in outs, and its inputs the "
+            "original ones followed by those of each StateMeta in ins, in order."
         )
 
 

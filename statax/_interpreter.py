@@ -1,18 +1,24 @@
 """`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
 
 `pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
-output. It walks the equations once:
+output, and every mark that the rewrite in force *plants* (see `planting`) takes its value from
+an extra input. It walks the equations once:
 
-* a `save_inter` equation is removed: its outputs are its operands, and its operands are
-  appended to the jaxpr's outputs, described by the `StateMeta` in its params;
+* a `save_inter` equation is removed: its outputs are its operands (or, where planted, new
+  inputs appended to the jaxpr's), and those values are appended to the jaxpr's outputs,
+  described by the `StateMeta` in its params;
 * an equation whose inner jaxprs hold no mark is kept as it is;
-* any other equation goes to the handler registered for its primitive, which returns an
-  equation that computes the original outputs **followed by** the flat leaves of the
-  intermediates it exposes, and their `StateMeta`s in the same order. A primitive with no
-  handler is an error that names it and says how to register one.
+* any other equation goes to the handler registered for its primitive. There is one rule
+  shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
+  by** the flat leaves of the values it takes in (`ins`) and computes the original outputs
+  **followed by** the flat leaves of the intermediates it exposes (`outs`), with their
+  `StateMeta`s in the same order. The walk appends those extra inputs and outputs to the
+  jaxpr's own. A primitive with no handler is an error that names it and says how to register
+  one.
 
-The handler contract leaves room for transforms that thread values *into* an equation (extra
-inputs, appended after the original ones); `pull` itself only adds outputs.
+Handlers for loops and branches are written as *exposers* (`register_exposer`), a layer on this
+one contract: a function that runs the primitive with the marks taken out and binds them again
+outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -31,39 +37,73 @@ from jax.extend import core as jex
 from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
-from ._primitive import INERT, bound_status, collected, save_inter_p
+from ._primitive import INERT, INPUT, bound_status, collected, save_inter_p
 
 __all__ = [
     "Exposer",
     "Handler",
+    "Rewrite",
+    "Rewritten",
     "call_equation",
+    "extend_equation",
+    "find_saves",
+    "find_saves_in_impl",
     "handler_from_exposer",
     "inert",
     "mark",
+    "on_forget",
     "only_in",
-    "register_exposer",
-    "split_leaves",
-    "find_saves",
-    "find_saves_in_impl",
+    "planting",
     "pull_jaxpr",
     "pull_open_jaxpr",
     "pulled_with_rule",
+    "register_exposer",
     "register_family",
     "register_handler",
+    "selecting",
+    "split_leaves",
+    "take",
     "traced_impl",
-    "with_extra_outputs",
+    "unregister_family",
+    "unregister_handler",
     "zero_tangent",
 ]
 
-Handler: TypeAlias = Callable[[jex.JaxprEqn], tuple[jex.JaxprEqn, tuple[StateMeta, ...]]]
+
+class Rewrite(NamedTuple):
+    """What a handler returns for an equation: the one rule shape.
+
+    Attributes:
+        eqn: the new equation. Its inputs are the original ones followed by the flat array
+            leaves of each value in `ins`; its outputs are the original ones followed by the
+            flat array leaves of each intermediate in `outs`.
+        outs: one `StateMeta` per intermediate the equation exposes, in order.
+        ins: one `StateMeta` per value the equation takes in (a planted mark), in order.
+    """
+
+    eqn: jex.JaxprEqn
+    outs: tuple[StateMeta, ...] = ()
+    ins: tuple[StateMeta, ...] = ()
+
+
+class Rewritten(NamedTuple):
+    """What `pull_jaxpr` returns: the rewritten jaxpr, which takes the original inputs followed
+    by the leaves of `ins` and returns the original outputs followed by the leaves of `outs`."""
+
+    jaxpr: Any  # a ClosedJaxpr, or an open Jaxpr for `pull_open_jaxpr`
+    outs: tuple[StateMeta, ...] = ()
+    ins: tuple[StateMeta, ...] = ()
+
+
+Handler: TypeAlias = Callable[[jex.JaxprEqn], Rewrite]
 
 _HANDLERS: dict[jex.Primitive, Handler] = {}
-
-
 _FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
-
 # Handlers for families of primitives, recognised by their equations: (matches, handler, finder).
 _FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None]] = []
+# Primitives whose batching rule an exposer replaced: primitive -> JAX's own rule.
+_REBATCHED: dict[jex.Primitive, Callable | None] = {}
+_ON_FORGET: list[Callable[[], None]] = []
 
 
 def register_handler(
@@ -74,13 +114,15 @@ def register_handler(
 ):
     """Teach `pull` to see inside a higher-order primitive.
 
-    A handler takes an equation of `primitive` and returns `(new_eqn, metas)`: `new_eqn`
-    computes the original outputs followed by the flat array leaves of every intermediate it
-    exposes, and `metas` describes those intermediates in the same order. Most handlers call
-    `pull_jaxpr` on the inner jaxpr and `with_extra_outputs` to rebuild the equation.
+    A handler takes an equation of `primitive` and returns a `Rewrite(new_eqn, outs, ins)`:
+    `new_eqn` takes the original inputs followed by the flat leaves of the values in `ins`, and
+    computes the original outputs followed by the flat array leaves of every intermediate in
+    `outs`. Most handlers call `pull_jaxpr` on the inner jaxpr and `extend_equation` to
+    rebuild the equation; loops and branches are written as exposers (`register_exposer`).
 
     Usable directly, `register_handler(my_p, my_handler)`, or as a decorator,
-    `@register_handler(my_p)`. Registering again replaces the previous handler.
+    `@register_handler(my_p)`. Registering again replaces the previous handler;
+    `unregister_handler` removes it.
 
     Args:
         primitive: the primitive, e.g. `jax.extend.core.primitives.cond_p`.
@@ -103,12 +145,23 @@ def register_handler(
         if not callable(h):
             raise TypeError(f"a handler must be callable, got {h!r}")
         _HANDLERS[primitive] = h
+        _FINDERS.pop(primitive, None)
         if find_saves is not None:
             _FINDERS[primitive] = find_saves
         _forget_rewrites()
         return h
 
     return register if handler is None else register(handler)
+
+
+def unregister_handler(primitive: jex.Primitive) -> None:
+    """Remove `primitive`'s handler (and, for an exposer, give JAX its batching rule back):
+    `pull` then treats its equations as it treats any primitive without one."""
+    _HANDLERS.pop(primitive, None)
+    _FINDERS.pop(primitive, None)
+    if primitive in _REBATCHED:
+        _compat.set_batching_rule(primitive, _REBATCHED.pop(primitive))
+    _forget_rewrites()
 
 
 def register_family(
@@ -124,11 +177,23 @@ def register_family(
     _forget_rewrites()
 
 
+def unregister_family(matches: Callable[[jex.JaxprEqn], bool]) -> None:
+    """Remove the family registered with `matches`."""
+    _FAMILIES[:] = [f for f in _FAMILIES if f[0] is not matches]
+    _forget_rewrites()
+
+
+def on_forget(callback: Callable[[], None]) -> None:
+    """Call `callback` whenever the handlers change (for caches of rewrites kept elsewhere)."""
+    _ON_FORGET.append(callback)
+
+
 def _forget_rewrites() -> None:
-    """Drop cached searches and rewrites: a new handler may see what the old ones could not."""
-    _SAVES.clear()
-    _PULLED.clear()
-    _PULLED_OPEN.clear()
+    """Drop every cached search and rewrite: a new handler may see what the old ones could not."""
+    for cache in (_SAVES, _PULLED, _PULLED_OPEN, _INERT, _IMPLS):
+        cache.clear()
+    for callback in _ON_FORGET:
+        callback()
 
 
 def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
@@ -142,12 +207,13 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
     return None, None
 
 
-# ---- finding marks -------------------------------------------------------------------------
+# ---- which marks a rewrite acts on ----------------------------------------------------------
 
-# The selection of the `pull` in force (`pull(fn, only=...)`): a predicate on StateMeta, or
-# None for every mark. A config state in JAX's trace context (`_compat.SELECTION`), as the
-# scope is: `save_inter` decides where it is bound whether it collects, and JAX keeps traces
-# made under one selection apart from the others. Caches below are kept per selection.
+# The selection of the `pull` in force (`pull(fn, only=...)`) and the marks it plants: each a
+# predicate on StateMeta or None, a config state in JAX's trace context (`_compat.SELECTION`,
+# `_compat.PLANTING`), as the scope is: `save_inter` decides where it is bound whether it
+# collects, and JAX keeps traces made under one selection apart from the others. Caches below
+# are kept per selection and planting.
 
 
 @contextlib.contextmanager
@@ -159,27 +225,51 @@ def selecting(selection: Callable[[StateMeta], bool] | None):
         yield
 
 
+@contextlib.contextmanager
+def planting(planted: Callable[[StateMeta], bool] | None):
+    """Within, `pull_jaxpr` turns every mark whose meta `planted` accepts into an input: the
+    mark's value is then whatever is fed in (it is still collected, as that value)."""
+    with _compat.PLANTING(planted):
+        yield
+
+
 def _selected(meta: StateMeta) -> bool:
     selection = _compat.SELECTION.value
     return selection is None or bool(selection(meta))
 
 
-def _cached(store: weakref.WeakKeyDictionary, key, compute):
-    per_selection = store.get(key)
-    if per_selection is None:
-        per_selection = store[key] = {}
-    selection = _compat.SELECTION.value
-    if selection not in per_selection:
-        per_selection[selection] = compute()
-    return per_selection[selection]
+def _planted(meta: StateMeta) -> bool:
+    planted = _compat.PLANTING.value
+    return planted is not None and bool(planted(meta))
 
+
+def _acts_on(params: dict) -> bool:
+    """Whether the rewrite in force does something with a mark: collects or plants it, or feeds
+    it in (a placeholder bound by `take`)."""
+    if params["status"] == INPUT:
+        return True
+    return collected(params) and (_selected(params["meta"]) or _planted(params["meta"]))
+
+
+def _cached(store: weakref.WeakKeyDictionary, key, compute):
+    per_rewrite = store.get(key)
+    if per_rewrite is None:
+        per_rewrite = store[key] = {}
+    rewrite = (_compat.SELECTION.value, _compat.PLANTING.value)
+    if rewrite not in per_rewrite:
+        per_rewrite[rewrite] = compute()
+    return per_rewrite[rewrite]
+
+
+# ---- finding marks -------------------------------------------------------------------------
 
 _SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
-    """The `StateMeta` of every collecting `save_inter` in `jaxpr`, at any depth, in order
-    (those of the current selection only, inside a `pull(fn, only=...)`)."""
+    """The `StateMeta` of every mark in `jaxpr` that the rewrite in force acts on (collecting
+    or planting; of the current selection only, inside a `pull(fn, only=...)`), at any depth,
+    in order."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     return _cached(_SAVES, jaxpr, lambda: tuple(_iter_saves(jaxpr)))
@@ -188,7 +278,7 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
 def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
-            if collected(eqn.params) and _selected(eqn.params["meta"]):
+            if _acts_on(eqn.params):
                 yield eqn.params["meta"]
         else:
             yield from _eqn_saves(eqn)
@@ -244,17 +334,19 @@ _PULLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PULLED_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, tuple[StateMeta, ...]]:
-    """Expose every `save_inter` of a ClosedJaxpr as an extra output.
+def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> Rewritten:
+    """Expose every `save_inter` of a ClosedJaxpr as an extra output (and take every planted
+    one's value as an extra input).
 
     Args:
         closed_jaxpr: the jaxpr to rewrite.
 
     Returns:
-        `(new_closed_jaxpr, metas)`. `new_closed_jaxpr` takes the same inputs and returns the
-        old outputs followed by the flat array leaves of each intermediate, in program order;
-        `metas[i]` describes the i-th intermediate. A jaxpr without marks comes back as it is.
-        Results are cached per jaxpr object.
+        `Rewritten(jaxpr, outs, ins)`. `jaxpr` takes the same inputs followed by the flat
+        leaves of each value in `ins` (empty unless a rewrite plants marks), and returns the
+        old outputs followed by the flat array leaves of each intermediate in `outs`, in
+        program order. Occurrences of a name saved with `reduce=` are folded into one. A
+        jaxpr without marks comes back as it is. Results are cached per jaxpr object.
 
     Raises:
         UnhandledPrimitiveError: a higher-order primitive without a handler holds a mark.
@@ -262,13 +354,13 @@ def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, tuple[St
     return _cached(_PULLED, closed_jaxpr, lambda: _pull_closed(closed_jaxpr))
 
 
-def _pull_closed(closed_jaxpr):
-    jaxpr, metas = pull_open_jaxpr(closed_jaxpr.jaxpr)
+def _pull_closed(closed_jaxpr) -> Rewritten:
+    jaxpr, outs, ins = pull_open_jaxpr(closed_jaxpr.jaxpr)
     if jaxpr is closed_jaxpr.jaxpr:
-        return closed_jaxpr, metas
-    if any(m.reduce is not None for m in metas):
-        jaxpr, metas = _fold_reduced(jaxpr, metas)
-    return jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts), metas
+        return Rewritten(closed_jaxpr)
+    if any(m.reduce is not None for m in outs):
+        jaxpr, outs = _fold_reduced(jaxpr, outs)
+    return Rewritten(jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts), outs, ins)
 
 
 def _fold_reduced(jaxpr: jex.Jaxpr, metas):
@@ -298,31 +390,39 @@ def _fold_reduced(jaxpr: jex.Jaxpr, metas):
     return new, merged[0]
 
 
-def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
+def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> Rewritten:
     """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params).
 
     Occurrences of reduced names are not folded here but by the enclosing `pull_jaxpr`."""
-    return _cached(_PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else (jaxpr, ()))
+    return _cached(
+        _PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else Rewritten(jaxpr)
+    )
 
 
-def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
-    forwarded: dict[jex.Var, jex.Atom] = {}  # outputs of removed `save_inter`s -> operands
+def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
+    forwarded: dict[jex.Var, jex.Atom] = {}  # outputs of removed `save_inter`s -> their values
 
     def read(x: jex.Atom) -> jex.Atom:
         return forwarded.get(x, x) if isinstance(x, jex.Var) else x
 
     eqns: list[jex.JaxprEqn] = []
-    extra: list[jex.Atom] = []
-    metas: list[StateMeta] = []
+    extra_out: list[jex.Atom] = []
+    outs: list[StateMeta] = []
+    extra_in: list[jex.Var] = []
+    ins: list[StateMeta] = []
     for eqn in jaxpr.eqns:
         if forwarded:
             eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
         if eqn.primitive is save_inter_p:
-            for out, x in zip(eqn.outvars, eqn.invars, strict=True):
-                forwarded[out] = x
-            if collected(eqn.params) and _selected(eqn.params["meta"]):
-                extra.extend(eqn.invars)
-                metas.append(eqn.params["meta"])
+            meta, values = eqn.params["meta"], list(eqn.invars)
+            if eqn.params["status"] == INPUT or (collected(eqn.params) and _planted(meta)):
+                values = [jex.Var(x.aval) for x in eqn.outvars]
+                extra_in.extend(values)
+                ins.append(meta)
+            forwarded.update(zip(eqn.outvars, values, strict=True))
+            if collected(eqn.params) and _selected(meta):
+                extra_out.extend(values)
+                outs.append(meta)
             continue
         inner = _eqn_saves(eqn)
         if not inner:
@@ -333,19 +433,23 @@ def _pull(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, tuple[StateMeta, ...]]:
             in_rules = not any(_compat.jaxprs_in_params(eqn.params))
             raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)
         with _compat.user_context(eqn):
-            new_eqn, new_metas = handler(eqn)
-        _check_handler_result(eqn, new_eqn, new_metas)
+            rewrite = _check_handler_result(eqn, handler(eqn))
+        new_eqn = rewrite.eqn
         eqns.append(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
-        extra.extend(new_eqn.outvars[len(eqn.outvars) :])
-        metas.extend(new_metas)
-    names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
+        extra_out.extend(new_eqn.outvars[len(eqn.outvars) :])
+        outs.extend(rewrite.outs)
+        extra_in.extend(new_eqn.invars[len(eqn.invars) :])
+        ins.extend(rewrite.ins)
+    names = [f"statax:{m.name}" for m in outs for _ in range(m.num_arrays)]
+    in_names = [f"statax:{m.name}" for m in ins for _ in range(m.num_arrays)]
     new = jaxpr.replace(
         eqns=eqns,
-        outvars=[read(x) for x in jaxpr.outvars] + extra,
+        invars=[*jaxpr.invars, *extra_in],
+        outvars=[read(x) for x in jaxpr.outvars] + extra_out,
         effects=_without_save_effect(jaxpr.effects),
-        debug_info=_compat.extend_debug_info(jaxpr.debug_info, names),
+        debug_info=_compat.extend_debug_info(jaxpr.debug_info, names, arg_names=in_names),
     )
-    return new, tuple(metas)
+    return Rewritten(new, tuple(outs), tuple(ins))
 
 
 def _without_save_effect(effects):
@@ -353,61 +457,115 @@ def _without_save_effect(effects):
     return effects - {_compat.SAVE_EFFECT} if _compat.SAVE_EFFECT in effects else effects
 
 
-def _check_handler_result(eqn, new_eqn, metas) -> None:
+def _check_handler_result(eqn, result) -> Rewrite:
     prim = eqn.primitive
-    if not isinstance(new_eqn, jex.JaxprEqn) or not isinstance(metas, tuple):
-        raise HandlerError(prim, "must return a (JaxprEqn, tuple[StateMeta, ...]) pair")
-    expected = len(eqn.outvars) + sum(m.num_arrays for m in metas)
-    if len(new_eqn.outvars) != expected:
-        raise HandlerError(
-            prim,
-            f"returned an equation with {len(new_eqn.outvars)} outputs; expected the "
-            f"{len(eqn.outvars)} original ones followed by {expected - len(eqn.outvars)} "
-            "array leaves, as many as its StateMetas count",
-        )
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise HandlerError(prim, "must return a Rewrite(eqn, outs, ins)")
+    rewrite = Rewrite(*result)
+    if not isinstance(rewrite.eqn, jex.JaxprEqn) or not all(
+        isinstance(m, tuple) and all(isinstance(x, StateMeta) for x in m)
+        for m in (rewrite.outs, rewrite.ins)
+    ):
+        raise HandlerError(prim, "must return a Rewrite(eqn, outs, ins) of tuples of StateMetas")
+    for what, new, old, metas in (
+        ("outputs", rewrite.eqn.outvars, eqn.outvars, rewrite.outs),
+        ("inputs", rewrite.eqn.invars, eqn.invars, rewrite.ins),
+    ):
+        expected = len(old) + sum(m.num_arrays for m in metas)
+        if len(new) != expected:
+            raise HandlerError(
+                prim,
+                f"returned an equation with {len(new)} {what}; expected the {len(old)} "
+                f"original ones followed by {expected - len(old)} array leaves, as many as "
+                "its StateMetas count",
+            )
+    return rewrite
 
 
 # ---- plumbing for handlers -----------------------------------------------------------------
 
 
-Exposer: TypeAlias = Callable[..., tuple[Sequence, Sequence, tuple[StateMeta, ...]]]
+def extend_equation(eqn: jex.JaxprEqn, rewritten: Rewritten, **params) -> Rewrite:
+    """The `Rewrite` of an equation that runs `rewritten.jaxpr` in place of its own jaxpr:
+    `eqn` with fresh output variables for the intermediates `rewritten` exposes, fresh input
+    variables for the values it takes in, and `params` updated.
+
+    Example, the whole of a handler for a call-like primitive:
+
+        def handler(eqn):
+            inner = pull_jaxpr(eqn.params["jaxpr"])
+            return extend_equation(eqn, inner, jaxpr=inner.jaxpr)
+    """
+    in_avals, out_avals = _avals(rewritten.jaxpr)
+    new = eqn.replace(
+        invars=[*eqn.invars, *(jex.Var(a) for a in in_avals[len(eqn.invars) :])],
+        outvars=[*eqn.outvars, *(jex.Var(a) for a in out_avals[len(eqn.outvars) :])],
+        params=dict(eqn.params, **params),
+    )
+    return Rewrite(new, rewritten.outs, rewritten.ins)
+
+
+def _avals(jaxpr) -> tuple[list, list]:
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return list(jaxpr.in_avals), list(jaxpr.out_avals)
+    return [x.aval for x in jaxpr.invars], [x.aval for x in jaxpr.outvars]
+
+
+def call_equation(eqn: jex.JaxprEqn, rewritten: Rewritten) -> Rewrite:
+    """A `closed_call` of `rewritten.jaxpr` (closed) on `eqn`'s inputs, in place of `eqn`."""
+    call = eqn.replace(
+        primitive=jex.primitives.closed_call_p,
+        params={"call_jaxpr": rewritten.jaxpr},
+        effects=rewritten.jaxpr.effects,
+    )
+    return extend_equation(call, rewritten)
+
+
+Exposer: TypeAlias = Callable[..., Sequence]
 
 
 def handler_from_exposer(exposer: Exposer) -> Handler:
-    """A handler from an *exposer*: a function that runs the primitive on values.
+    """A handler from an *exposer*, a function that runs the primitive on values.
 
-    `exposer(*args, **params) -> (outs, leaves, metas)` binds the primitive (with the marks
-    taken out of its jaxprs) and whatever else it needs in the current trace, and returns the
-    original outputs, the flat array leaves of the intermediates, and their metas. The handler
-    traces it at the equation's input types and wraps the result in one `closed_call` equation.
-    The same exposer serves `register_rebatching`, so that `vmap` and `pull` agree.
+    `exposer(*args, **params)` binds the primitive with the marks taken out of its jaxprs, and
+    whatever else it needs, in the current trace; binds the intermediates again outside, with
+    `mark` (and takes the values planted inside from outside, with `take`); and returns the
+    primitive's outputs. The handler traces it at the equation's input types and walks the
+    result into one `closed_call` equation. The same exposer serves `vmap`
+    (`register_exposer`).
     """
 
-    def handler(eqn: jex.JaxprEqn) -> tuple[jex.JaxprEqn, tuple[StateMeta, ...]]:
-        found: list[tuple[StateMeta, ...]] = []
-
-        def run(*args):
-            outs, leaves, metas = exposer(*args, **eqn.params)
-            found.append(tuple(metas))
-            return [*outs, *leaves]
-
-        closed = _compat.trace(run, [x.aval for x in eqn.invars], name=str(eqn.primitive))
-        return call_equation(eqn, closed), found[0]
+    def handler(eqn: jex.JaxprEqn) -> Rewrite:
+        closed = _compat.trace(
+            lambda *args: exposer(*args, **eqn.params),
+            [x.aval for x in eqn.invars],
+            name=str(eqn.primitive),
+        )
+        jaxpr, outs, ins = pull_open_jaxpr(closed.jaxpr)
+        return call_equation(eqn, Rewritten(jex.ClosedJaxpr(jaxpr, closed.consts), outs, ins))
 
     return handler
 
 
 def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
     """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
-    primitive is batched where it holds marks (see `handler_from_exposer`)."""
+    primitive is batched where it holds marks (see `handler_from_exposer`).
+
+    JAX batches a `cond`, `scan` or `while` as a whole, before `pull` sees it (a batched `cond`
+    even becomes a select over both branches). Where such a primitive holds marks, while a
+    `pull` traces, the exposer runs per example and is batched with JAX's own rules: the
+    primitive inside holds no marks any more, so it is batched by its own rule, and the marks
+    bound outside it by the mark's. Elsewhere JAX's rule runs untouched.
+    """
     register_handler(primitive, handler_from_exposer(exposer))
+    original = _REBATCHED.setdefault(primitive, _compat.batching_rule(primitive))
 
-    def staged(*args, **params):
-        outs, leaves, metas = exposer(*args, **params)
-        mark(leaves, metas)
-        return outs
+    def rule(axis_data, args, dims, **params):
+        if not _params_hold_marks(params):
+            return original(axis_data, args, dims, **params)
+        return _compat.batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
 
-    _compat.register_rebatching(primitive, _params_hold_marks, staged)
+    _compat.set_batching_rule(primitive, rule)
 
 
 def _params_hold_marks(params: dict) -> bool:
@@ -416,6 +574,33 @@ def _params_hold_marks(params: dict) -> bool:
     return bool(_compat.PULLING.value) and any(
         find_saves(sub) for sub in _compat.jaxprs_in_params(params)
     )
+
+
+def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
+    """Bind the intermediates `metas` describe (flat `leaves`) again, as marks: in an exposer,
+    outside the primitive it took them out of."""
+    for meta, part in zip(metas, split_leaves(leaves, metas), strict=True):
+        save_inter_p.bind(*part, meta=meta, status=bound_status())
+
+
+def take(metas: Sequence[StateMeta], avals: Sequence) -> list:
+    """The values planted at the marks `metas` describe (flat leaves of `avals`), fed in from
+    outside: in an exposer, what the primitive's rewritten jaxprs take in. The inverse of
+    `mark`: each binds a placeholder mark that the walk turns into an input."""
+    leaves: list = []
+    for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
+        zeros = [jnp.zeros(a.shape, a.dtype) for a in part]
+        leaves.extend(save_inter_p.bind(*zeros, meta=meta, status=INPUT))
+    return leaves
+
+
+def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]:
+    """Flat intermediate leaves, cut into one sequence per meta."""
+    out, start = [], 0
+    for meta in metas:
+        out.append(leaves[start : start + meta.num_arrays])
+        start += meta.num_arrays
+    return out
 
 
 _INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -431,7 +616,7 @@ def inert(jaxpr):
     if _compat.wraps_jaxpr(jaxpr):
         new = inert(jaxpr.jaxpr)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
-    with selecting(None):  # every mark, selected or not
+    with selecting(None), planting(None):  # every mark, selected or not
         if not find_saves(jaxpr):
             return jaxpr
         return _inert(jaxpr)
@@ -463,22 +648,35 @@ def _inert_param(value):
 
 
 def pulled_with_rule(
-    original: Callable, primal: jex.ClosedJaxpr, args: Sequence
-) -> tuple[list, list, tuple[StateMeta, ...]]:
-    """`(outs, leaves, metas)` for an equation with rules of its own (custom derivatives,
-    linear solves, hijax and equinox primitives), computed once by its pulled `primal`.
+    original: Callable, primal: jex.ClosedJaxpr, args: Sequence, *, rule: str = "jvp"
+) -> list:
+    """In an exposer, for an equation with rules of its own (custom derivatives, linear solves,
+    hijax and equinox primitives): its outputs, computed once by its pulled `primal`, its
+    intermediates marked outside.
 
     `original(*args)` binds the equation as it was (its marks inert); `primal` is a jaxpr that
-    computes the same outputs from the same `args` and holds the marks. The result is a
-    `jax.custom_jvp` whose primal is the pulled `primal` (so a loop inside runs once, as
-    unpulled) and whose rule is `original`'s own, so derivatives (and their transposes) are
-    the equation's; the intermediates get zero tangents. Only when differentiated does the
-    pulled primal also run, behind `stop_gradient`, beside the original rule.
+    computes the same outputs from the same `args` and holds the marks. The pulled `primal`
+    runs as a `jax.custom_jvp` (`rule="jvp"`) or `jax.custom_vjp` (`rule="vjp"`, for an
+    equation that only has a VJP) whose rule is `original`'s own, so derivatives (and their
+    transposes) are the equation's; the intermediates get zero tangents. Only when
+    differentiated does the pulled primal also run, behind `stop_gradient`, beside the original
+    rule. A loop inside runs once, as unpulled.
+
+    Where the rewrite plants a value inside, the function is no longer the one its rule
+    describes: it runs as written and is differentiated as written.
     """
-    pulled, metas = pull_jaxpr(primal)
+    pulled, metas, ins = pull_jaxpr(primal)
     n = len(primal.out_avals)
     run_pulled = jex.jaxpr_as_fun(pulled)
+    if ins:
+        flat = run_pulled(*args, *take(ins, pulled.in_avals[len(args) :]))
+    else:
+        flat = (_with_jvp if rule == "jvp" else _with_vjp)(original, run_pulled, n)(*args)
+    mark(flat[n:], metas)
+    return list(flat[:n])
 
+
+def _with_jvp(original, run_pulled, n):
     @jax.custom_jvp
     def run(*args):
         return tuple(run_pulled(*args))
@@ -496,8 +694,40 @@ def pulled_with_rule(
         return (*outs, *saved), (*out_tangents, *map(zero_tangent, saved))
 
     run.defjvp(run_jvp, symbolic_zeros=True)
-    flat = run(*args)
-    return list(flat[:n]), list(flat[n:]), metas
+    return run
+
+
+def _with_vjp(original, run_pulled, n):
+    @jax.custom_vjp
+    def run(*args):
+        return tuple(run_pulled(*args))
+
+    live: list[int] = []  # the perturbed arguments, as `fwd` found them for `bwd`
+    arity: list[int] = []
+
+    def fwd(*args):
+        # Differentiate `original` only in the perturbed arguments: the others are constants
+        # to it, as they were to the equation (equinox's `filter_custom_vjp` checks this).
+        values = [a.value for a in args]
+        live[:] = [i for i, a in enumerate(args) if a.perturbed]
+        arity[:] = [len(args)]
+        outs, vjp = jax.vjp(only_in(original, values, live), *[values[i] for i in live])
+        saved = run_pulled(*map(jax.lax.stop_gradient, values))[n:]
+        return (*outs, *saved), vjp
+
+    def bwd(vjp, cts):
+        cts = [_instantiate(ct) for ct in cts[:n]]
+        grads = dict(zip(live, vjp(tuple(cts)), strict=True))
+        return tuple(grads.get(i) for i in range(arity[0]))
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    return run
+
+
+def _instantiate(ct):
+    if not isinstance(ct, _compat.SymbolicZero):
+        return ct
+    return zero_tangent(jax.ShapeDtypeStruct(ct.shape, ct.aval.dtype))
 
 
 def only_in(fn: Callable, args: Sequence, live: Sequence[int]) -> Callable:
@@ -518,49 +748,3 @@ def zero_tangent(x):
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
-    """Mark flat intermediates again with `save_inter` (the inverse of exposing them)."""
-    start = 0
-    for meta in metas:
-        stop = start + meta.num_arrays
-        save_inter_p.bind(*leaves[start:stop], meta=meta, status=bound_status())
-        start = stop
-
-
-def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]:
-    """Flat intermediate leaves, cut into one sequence per meta."""
-    out, start = [], 0
-    for meta in metas:
-        out.append(leaves[start : start + meta.num_arrays])
-        start += meta.num_arrays
-    return out
-
-
-def call_equation(eqn: jex.JaxprEqn, closed_jaxpr: jex.ClosedJaxpr) -> jex.JaxprEqn:
-    """A `closed_call` of `closed_jaxpr` on `eqn`'s inputs, in place of `eqn`.
-
-    `closed_jaxpr` returns `eqn`'s outputs followed by extra ones, which get fresh variables.
-    """
-    extra = closed_jaxpr.out_avals[len(eqn.outvars) :]
-    return eqn.replace(
-        primitive=jex.primitives.closed_call_p,
-        params={"call_jaxpr": closed_jaxpr},
-        outvars=[*eqn.outvars, *(jex.Var(aval) for aval in extra)],
-        effects=closed_jaxpr.effects,
-    )
-
-
-def with_extra_outputs(eqn: jex.JaxprEqn, avals: Sequence, **params) -> jex.JaxprEqn:
-    """`eqn` with fresh output variables of `avals` appended and `params` updated.
-
-    Example, the whole of a handler for a call-like primitive:
-
-        def handler(eqn):
-            jaxpr, metas = pull_jaxpr(eqn.params["jaxpr"])
-            new_avals = jaxpr.out_avals[len(eqn.outvars):]
-            return with_extra_outputs(eqn, new_avals, jaxpr=jaxpr), metas
-    """
-    outvars = [*eqn.outvars, *(jex.Var(aval) for aval in avals)]
-    return eqn.replace(outvars=outvars, params=dict(eqn.params, **params))

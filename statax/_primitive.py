@@ -33,11 +33,13 @@ from ._reduce import MODES
 COLLECTING = "collecting"  # bound while a `pull` traces: carries SaveEffect; collected
 IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by a later pull_jaxpr
 INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
+INPUT = "input"  # stands for a value fed in from outside (see `_interpreter.take`); never collected
 
 __all__ = [
     "COLLECTING",
     "IDLE",
     "INERT",
+    "INPUT",
     "bound_status",
     "collected",
     "save_inter",
@@ -131,7 +133,7 @@ def bound_status() -> str:
 
 def collected(params: dict) -> bool:
     """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
-    return params["status"] != INERT
+    return params["status"] in (COLLECTING, IDLE)
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -171,7 +173,15 @@ def _batch(axis_size, vals, dims, **params):
     # The values handed on keep their batch axes, so marking changes nothing downstream. The
     # copy that is saved has the batch axis at 0; where only some leaves are batched, the others
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
-    # unbatched (as `jacfwd`'s primal is).
+    # unbatched (as `jacfwd`'s primal is). A value fed in from outside (`INPUT`) is per example:
+    # it comes in with the batch axis at 0.
+    if params["status"] == INPUT:
+        meta = params["meta"]
+        outs = save_inter_p.bind(
+            *(jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) for v in vals),
+            **dict(params, meta=dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1)),
+        )
+        return outs, [0] * len(outs)
     if all(d is None for d in dims):
         save_inter_p.bind(*vals, **params)
         return vals, dims
@@ -186,6 +196,23 @@ def _batch(axis_size, vals, dims, **params):
 
 
 _compat.register_batching_rule(save_inter_p, _batch)
-_compat.register_remat_partial_eval_rule(
-    save_inter_p, recompute_params=lambda params: dict(params, status=INERT)
-)
+
+
+def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
+    # `jax.checkpoint`'s partial evaluation of a mark. With known inputs, it runs in the forward
+    # ("known") pass as it is; the copy that rematerialisation replays in the backward
+    # ("staged") pass is inert, so that the value is collected once. With unknown inputs it is
+    # staged whole.
+    residuals = [
+        v for v, inst in zip(eqn.invars, inst_in, strict=True) if isinstance(v, jex.Var) and not inst
+    ]
+    n = len(eqn.outvars)
+    if any(unks_in):
+        return None, eqn, [True] * n, [True] * n, residuals
+    params = dict(eqn.params, status=INERT)
+    _, effects = save_inter_p.abstract_eval(*[x.aval for x in eqn.invars], **params)
+    staged = eqn.replace(params=params, effects=effects)
+    return eqn, staged, [False] * n, [True] * n, residuals
+
+
+_compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)

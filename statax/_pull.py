@@ -18,7 +18,7 @@ from jax.extend import core as jex
 
 from . import _compat, _nnx, _reduce
 from ._errors import KeyCollisionError
-from ._interpreter import pull_jaxpr, selecting
+from ._interpreter import on_forget, pull_jaxpr, selecting
 from ._meta import StateMeta, hashable
 
 __all__ = ["pull"]
@@ -39,6 +39,7 @@ class _Entry(NamedTuple):
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+on_forget(_CACHE.clear)  # a new handler may see what the old ones could not
 
 
 def _split_callable(fn: Callable) -> tuple[Any, Any, Callable]:
@@ -211,7 +212,7 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True):
             closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        new, metas = pull_jaxpr(closed)
+        new, metas, _ = pull_jaxpr(closed)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)

@@ -27,7 +27,7 @@ def test_unhandled_primitive_with_a_mark_names_it_the_mark_and_the_fix():
         message = str(info.value)
         assert "`twice_call`" in message
         assert re.search(rf"'hidden' at .*test_errors.py:{LINE}", message)
-        assert "statax.register_handler(twice_call_p, handler)" in message
+        assert "statax.extend.register_handler(twice_call_p, handler)" in message
         assert info.value.primitive is twice_call_p
 
 
@@ -58,21 +58,19 @@ def test_a_mark_in_python_code_that_a_primitive_runs_is_an_error_not_dropped():
 
 def test_handler_returning_wrong_number_of_outputs_is_reported():
     def bad_handler(eqn):
-        return eqn, (stx.find_saves(eqn.params["jaxpr"])[0],)
+        return eqn, (stx.extend.find_saves(eqn.params["jaxpr"])[0],)
 
-    stx.register_handler(twice_call_p, bad_handler)
+    stx.extend.register_handler(twice_call_p, bad_handler)
     try:
         with pytest.raises(stx.HandlerError, match=r"`twice_call` returned an equation with 1"):
             stx.pull(lambda x: twice_call(mark_inside, x))(1.0)
     finally:
-        from statax._interpreter import _HANDLERS
-
-        del _HANDLERS[twice_call_p]
+        stx.extend.unregister_handler(twice_call_p)
 
 
 def test_register_handler_needs_a_primitive():
     with pytest.raises(TypeError, match="needs a jax.extend.core.Primitive"):
-        stx.register_handler("cond", lambda eqn: (eqn, ()))
+        stx.extend.register_handler("cond", lambda eqn: (eqn, ()))
 
 
 def test_unhandled_primitive_error_is_raised_at_trace_time_not_run_time():

@@ -34,7 +34,7 @@ def test_jaxpr_records_name_and_location():
         return stx.save_inter(x * 2, name="doubled")
 
     jaxpr = jax.make_jaxpr(f)(1.0)
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.extend.save_inter_p]
     meta = eqn.params["meta"]
     assert meta.name == "doubled"
     assert meta.location.endswith("test_primitive.py:" + str(f.__code__.co_firstlineno + 1))
@@ -48,7 +48,7 @@ def test_jvp_saves_the_primal_and_passes_tangents_through():
     assert_tree_allclose(primal, 2 * jnp.sin(1.0))
     assert_tree_allclose(tangent, 2 * jnp.cos(1.0))
     jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(f, (x,), (t,)))(1.0, 1.0)
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.extend.save_inter_p]
     assert eqn.invars[0].aval.shape == ()  # bound once, on the primal
 
 
@@ -67,13 +67,13 @@ def test_batching_hands_values_on_with_their_batch_axes():
     assert_tree_allclose(jax.vmap(f, in_axes=1, out_axes=1)(xs), xs + 1)
     jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=1))(xs)
     # The mark sees the batch axis at 0; the program downstream is unchanged.
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.save_inter_p]
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is stx.extend.save_inter_p]
     assert eqn.invars[0].aval.shape == (3, 2)
 
 
 def test_impl_runs_eagerly():
     x = jnp.arange(3)
-    (y,) = stx.save_inter_p.bind(x, **_params())
+    (y,) = stx.extend.save_inter_p.bind(x, **_params())
     assert y is x
 
 

@@ -9,8 +9,6 @@ from . import cond as cond
 from . import custom_derivatives as custom_derivatives
 from . import equinox as equinox
 from . import hijax as hijax
-from . import jit as jit
 from . import loops as loops
-from . import remat as remat
 from . import shard_map as shard_map
 from . import solves as solves

@@ -1,28 +1,50 @@
-"""Handlers for the call primitives `closed_call` and `call` (`jax.named_call` in older JAX,
-and the `closed_call`s that other handlers build).
+"""Handlers for the call primitives: `closed_call` and `call` (`jax.named_call` in older JAX, and
+the `closed_call`s that other handlers build), `checkpoint` (`jax.checkpoint` / `jax.remat`,
+with or without a policy, and `eqx.filter_checkpoint`) and `jit` (`jax.jit`, `eqx.filter_jit`,
+nested jits).
 
-Reads `call_jaxpr` and pulls it; the intermediates leave as extra outputs of the call.
+Each reads its function (`call_jaxpr` or `jaxpr`, closed or open) and pulls it; the
+intermediates leave as extra outputs of the call, and planted values come in as extra inputs.
+
+* `jit`: the new outputs and inputs get unspecified sharding and layout (the compiler chooses)
+  and are not donated, so `static_argnums`, `donate_argnums` and in/out shardings of the user's
+  jit are untouched.
+* `checkpoint`: under differentiation, JAX's partial evaluation keeps each mark in the forward
+  pass and makes the copy that the backward pass replays inert, so every value is collected
+  once.
 """
 
 from __future__ import annotations
 
 from jax.extend.core.primitives import call_p, closed_call_p
 
-from .._compat import call_jaxpr, call_params
-from .._interpreter import pull_jaxpr, pull_open_jaxpr, register_handler, with_extra_outputs
+from ..extend import (
+    JIT_PRIMITIVE,
+    REMAT_PRIMITIVE,
+    extend_equation,
+    params,
+    pull_jaxpr,
+    pull_open_jaxpr,
+    register_handler,
+)
 
 
 def _closed_call_handler(eqn):
-    jaxpr, metas = pull_jaxpr(call_jaxpr(eqn.params))
-    new_avals = jaxpr.out_avals[len(eqn.outvars) :]
-    return with_extra_outputs(eqn, new_avals, **call_params(eqn.params, jaxpr)), metas
+    inner = pull_jaxpr(params.call_jaxpr(eqn.params))
+    return extend_equation(eqn, inner, **params.call_params(eqn.params, inner.jaxpr))
 
 
-def _call_handler(eqn):
-    jaxpr, metas = pull_open_jaxpr(call_jaxpr(eqn.params))
-    new_avals = [x.aval for x in jaxpr.outvars[len(eqn.outvars) :]]
-    return with_extra_outputs(eqn, new_avals, **call_params(eqn.params, jaxpr)), metas
+def _open_call_handler(eqn):  # `call` and `checkpoint` keep an open jaxpr
+    inner = pull_open_jaxpr(params.call_jaxpr(eqn.params))
+    return extend_equation(eqn, inner, **params.call_params(eqn.params, inner.jaxpr))
+
+
+def _jit_handler(eqn):
+    inner = pull_jaxpr(params.jit_jaxpr(eqn.params))
+    return extend_equation(eqn, inner, **params.jit_params(eqn.params, inner.jaxpr))
 
 
 register_handler(closed_call_p, _closed_call_handler)
-register_handler(call_p, _call_handler)
+register_handler(call_p, _open_call_handler)
+register_handler(REMAT_PRIMITIVE, _open_call_handler)
+register_handler(JIT_PRIMITIVE, _jit_handler)

@@ -3,10 +3,11 @@
 Reads `branches`. Each branch is pulled; the intermediates of all branches are matched by
 (name, occurrence within the branch) into *slots*, in order of first appearance by branch
 index (branch 0's first, then any new ones of branch 1, ...; for `lax.cond`, branch 0 is
-`false_fun`). Every branch returns every slot, zeros where it has
-no such mark, so the cond returns the values of the branch that ran. A slot whose marks differ
-between branches in shape, dtype or pytree structure is an error naming both call sites: give
-them different names.
+`false_fun`). Every branch returns every slot, zeros where it has no such mark, so the cond
+returns the values of the branch that ran. A slot whose marks differ between branches in shape,
+dtype or pytree structure is an error naming both call sites: give them different names.
+Planted values are matched into slots the same way: every branch takes every slot's value, and
+uses those of its own marks.
 
 Under `vmap` with a batched predicate JAX runs both branches and selects; the slots are outputs
 of the cond by then, so each example gets the value of the branch it took.
@@ -18,20 +19,16 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import cond_p
 
-from .. import _compat
 from .._errors import BranchMismatchError
-from .._interpreter import pull_jaxpr, register_exposer, split_leaves
+from ..extend import mark, params, pull_jaxpr, register_exposer, split_leaves, take, trace
 
 
-def _slots(pulled):
-    """[(key, meta, avals)] over all branches, and per branch {key: index of its meta}."""
+def _slots(per_branch_metas, per_branch_avals):
+    """{key: (meta, avals)} over all branches, and per branch {key: index of its meta}."""
     slots, per_branch = {}, []
-    for jaxpr, metas in pulled:
+    for metas, flat_avals in zip(per_branch_metas, per_branch_avals, strict=True):
         counts, where = {}, {}
-        leaf_avals = split_leaves(
-            jaxpr.out_avals[len(jaxpr.out_avals) - sum(m.num_arrays for m in metas) :], metas
-        )
-        for i, (meta, avals) in enumerate(zip(metas, leaf_avals, strict=True)):
+        for i, (meta, avals) in enumerate(zip(metas, split_leaves(flat_avals, metas), strict=True)):
             n = counts.get(meta.name, 0)
             counts[meta.name] = n + 1
             # A reduced name has one accumulator per branch, zeros (no occurrence) if absent.
@@ -55,10 +52,13 @@ def _same_slot(meta_a, avals_a, meta_b, avals_b) -> bool:
     )
 
 
-def _branch(jaxpr, metas, num_out, slots, where):
+def _branch(pulled, num_ops, num_out, slots, where, in_slots, in_where):
     def run(*args):
-        flat = jex.jaxpr_as_fun(jaxpr)(*args)
-        mine = split_leaves(flat[num_out:], metas)
+        given = split_leaves(args[num_ops:], [meta for meta, _ in in_slots.values()])
+        given = dict(zip(in_slots, given, strict=True))
+        mine_in = sorted(in_where, key=in_where.get)  # this branch's planted marks, in order
+        flat = jex.jaxpr_as_fun(pulled.jaxpr)(*args[:num_ops], *(x for k in mine_in for x in given[k]))
+        mine = split_leaves(flat[num_out:], pulled.outs)
         leaves = []
         for key, (_, avals) in slots.items():
             if key in where:
@@ -70,17 +70,31 @@ def _branch(jaxpr, metas, num_out, slots, where):
     return run
 
 
-def _cond_exposer(index, *ops, **params):
-    branches = _compat.cond_branches(params)
+def _cond_exposer(index, *ops, **eqn_params):
+    branches = params.cond_branches(eqn_params)
     num_out = len(branches[0].out_avals)
     pulled = [pull_jaxpr(branch) for branch in branches]
-    slots, per_branch = _slots(pulled)
-    new_branches = tuple(
-        _compat.trace(_branch(jaxpr, metas, num_out, slots, where), branch.in_avals, "branch")
-        for branch, (jaxpr, metas), where in zip(branches, pulled, per_branch, strict=True)
+    slots, where = _slots(
+        [p.outs for p in pulled], [p.jaxpr.out_avals[num_out:] for p in pulled]
     )
-    flat = cond_p.bind(index, *ops, **_compat.cond_params(params, new_branches))
-    return flat[:num_out], flat[num_out:], tuple(meta for meta, _ in slots.values())
+    in_slots, in_where = _slots(
+        [p.ins for p in pulled], [p.jaxpr.in_avals[len(ops) :] for p in pulled]
+    )
+    in_metas = [meta for meta, _ in in_slots.values()]
+    in_avals = [a for _, avals in in_slots.values() for a in avals]
+    new_branches = tuple(
+        trace(
+            _branch(p, len(ops), num_out, slots, w, in_slots, iw),
+            [*branch.in_avals, *in_avals],
+            "branch",
+        )
+        for branch, p, w, iw in zip(branches, pulled, where, in_where, strict=True)
+    )
+    flat = cond_p.bind(
+        index, *ops, *take(in_metas, in_avals), **params.cond_params(eqn_params, new_branches)
+    )
+    mark(flat[num_out:], [meta for meta, _ in slots.values()])
+    return flat[:num_out]
 
 
 register_exposer(cond_p, _cond_exposer)

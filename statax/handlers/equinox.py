@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import weakref
 
-from .. import _compat, _equinox
-from .._interpreter import (
+from .. import _equinox
+from ..extend import (
     call_equation,
     find_saves,
     find_saves_in_impl,
@@ -35,18 +35,27 @@ from .._interpreter import (
     pulled_with_rule,
     register_family,
     register_handler,
+    trace,
     traced_impl,
 )
 
 _noinline_p, _fn_of = _equinox.equinox_noinline()
+# The function each `noinline` equation calls, traced once (the equation is held weakly).
 _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _traced(eqn):
+    try:
+        return _TRACED[eqn]
+    except (KeyError, TypeError):
+        pass
     fn = _fn_of(eqn)
-    if fn is None:
-        return None
-    return _compat.trace(fn, [x.aval for x in eqn.invars], name="noinline")
+    closed = None if fn is None else trace(fn, [x.aval for x in eqn.invars], name="noinline")
+    try:
+        _TRACED[eqn] = closed
+    except TypeError:  # not weakly referenceable: traced again next time
+        pass
+    return closed
 
 
 def _find(eqn):
@@ -55,8 +64,7 @@ def _find(eqn):
 
 
 def _noinline_handler(eqn):
-    closed, metas = pull_jaxpr(_traced(eqn))
-    return call_equation(eqn, closed), metas
+    return call_equation(eqn, pull_jaxpr(_traced(eqn)))
 
 
 register_handler(_noinline_p, _noinline_handler, find_saves=_find)

@@ -11,21 +11,29 @@ from __future__ import annotations
 
 import jax
 
-from .. import _compat
-from .._interpreter import find_saves, handler_from_exposer, pulled_with_rule, register_handler
+from ..extend import (
+    HI_PRIMITIVE,
+    bind,
+    find_saves,
+    handler_from_exposer,
+    params,
+    pulled_with_rule,
+    register_handler,
+    trace,
+)
 
 
 def _find(eqn):
-    return tuple(m for jaxpr in _compat.hi_jaxprs(eqn.params) for m in find_saves(jaxpr))
+    return tuple(m for jaxpr in params.hi_jaxprs(eqn.params) for m in find_saves(jaxpr))
 
 
-def _hi_exposer(*args, **params):
+def _hi_exposer(*args, **eqn_params):
     def original(*args):
-        return tuple(_compat.bind(_compat.HI_PRIMITIVE, args, params))
+        return tuple(bind(HI_PRIMITIVE, args, eqn_params))
 
-    expanded = _compat.trace(_compat.hi_expand(params), [jax.typeof(x) for x in args], "expand")
+    expanded = trace(params.hi_expand(eqn_params), [jax.typeof(x) for x in args], "expand")
     return pulled_with_rule(original, expanded, args)
 
 
-if _compat.HI_PRIMITIVE is not None:  # JAX 0.11+
-    register_handler(_compat.HI_PRIMITIVE, handler_from_exposer(_hi_exposer), find_saves=_find)
+if HI_PRIMITIVE is not None:  # JAX 0.11+
+    register_handler(HI_PRIMITIVE, handler_from_exposer(_hi_exposer), find_saves=_find)

@@ -21,6 +21,10 @@ nested `scan`s of `cond`s (kind "bounded") over a carry `(step, pred, prev_pred,
 Both get `while` semantics: the last iteration that ran, masked per example with equinox's own
 flag `pred` (equinox runs a batch until every example is done and masks its state with it).
 
+Planted values come in as a `scan`'s extra `xs` (one per iteration, stacked like the
+intermediates) and as a `while`'s (or a bounded loop's) extra constants (one value, used in every
+iteration).
+
 Under `vmap`, both leave the loop before JAX batches it and are marked again outside: a scan's
 intermediates come back with the batch axis first, then the scan axis; a while loop's with each
 example's own last iteration.
@@ -33,23 +37,27 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
-from .. import _compat, _equinox, _reduce
-from .._interpreter import pull_jaxpr, register_exposer, split_leaves
+from .. import _equinox
+from ..extend import mark, params, pull_jaxpr, reductions, register_exposer, split_leaves, take
 
 
-def _scan_exposer(*args, **params):
-    parts = _compat.scan_parts(params)
+def _scan_exposer(*args, **eqn_params):
+    parts = params.scan_parts(eqn_params)
     num_consts, num_carry = parts.num_consts, parts.num_carry
-    length, reverse, unroll = parts.length, parts.reverse, parts.unroll
-    body, metas = pull_jaxpr(parts.jaxpr)
+    body, metas, ins = pull_jaxpr(parts.jaxpr)
     num_out = len(parts.jaxpr.out_avals)
     init = args[num_consts : num_consts + num_carry]
     if metas and _equinox.is_bounded_step(parts.jaxpr, init):
-        return _bounded_loop_scan(args, parts, body, metas)
-    if not any(_reduce.running(m) for m in metas):
-        flat = scan_p.bind(*args, **_compat.scan_params(params, parts._replace(jaxpr=body)))
-        stacked = split_leaves(flat[num_out:], metas)
-        return flat[:num_out], _unstack_reduced(metas, stacked), metas
+        outs, leaves = _bounded_loop_scan(args, parts, body, metas, ins)
+        mark(leaves, metas)
+        return outs
+    # Planted values: one per iteration, as extra xs.
+    planted = take(ins, [(parts.length, *a.shape) for a in body.in_avals[len(args) :]])
+    if not any(reductions.running(m) for m in metas):
+        new_params = params.scan_params(eqn_params, parts._replace(jaxpr=body))
+        flat = scan_p.bind(*args, *planted, **new_params)
+        mark(_unstack_reduced(metas, split_leaves(flat[num_out:], metas)), metas)
+        return flat[:num_out]
 
     # Reduced intermediates are running values in the carry; the others are stacked.
     consts, init, xs = (
@@ -58,46 +66,55 @@ def _scan_exposer(*args, **params):
         args[num_consts + num_carry :],
     )
     avals = split_leaves(body.out_avals[num_out:], metas)
-    acc0 = [_reduce.identity(m, a) for m, a in zip(metas, avals, strict=True) if _reduce.running(m)]
+    acc0 = [
+        reductions.identity(m, a) for m, a in zip(metas, avals, strict=True) if reductions.running(m)
+    ]
 
     def step(state, x):
         carry, accs = state
         flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x)
         accs, new_accs, stacked = iter(accs), [], []
         for meta, part in zip(metas, split_leaves(flat[num_out:], metas), strict=True):
-            if _reduce.running(meta):
-                new_accs.append(_reduce.combine(meta, next(accs), meta, part))
+            if reductions.running(meta):
+                new_accs.append(reductions.combine(meta, next(accs), meta, part))
             else:
                 stacked.append(part)
         return (flat[:num_carry], new_accs), (flat[num_carry:num_out], stacked)
 
     (carry, accs), (ys, stacked) = jax.lax.scan(
-        step, (list(init), acc0), list(xs), length=length, reverse=reverse, unroll=unroll
+        step,
+        (list(init), acc0),
+        [*xs, *planted],
+        length=parts.length,
+        reverse=parts.reverse,
+        unroll=parts.unroll,
     )
-    accs, stacked = (
-        iter(accs),
-        iter(_unstack_reduced([m for m in metas if not _reduce.running(m)], stacked, flat=False)),
+    accs = iter(accs)
+    stacked = iter(
+        _unstack_reduced([m for m in metas if not reductions.running(m)], stacked, flat=False)
     )
-    leaves = [x for m in metas for x in (next(accs) if _reduce.running(m) else next(stacked))]
-    return [*carry, *ys], leaves, metas
+    mark([x for m in metas for x in (next(accs) if reductions.running(m) else next(stacked))], metas)
+    return [*carry, *ys]
 
 
-def _bounded_loop_scan(args, parts, body, metas):
+def _bounded_loop_scan(args, parts, body, metas, ins):
     """A scan of `eqx.internal.while_loop(kind="bounded")`: a while loop to its user, so its
     intermediates are those of the last iteration that ran (zeros if none), as for `while`,
-    not one row per possible step. An iteration ran for an example where equinox's step
-    counter moved and its per-example flag was still set."""
+    not one row per possible step, and a planted value is one value for every step. An
+    iteration ran for an example where equinox's step counter moved and its per-example flag
+    was still set."""
     for meta in metas:
-        _reduce.check_in_while(meta)
+        reductions.check_in_while(meta)
     num_consts, num_carry = parts.num_consts, parts.num_carry
     num_out = len(parts.jaxpr.out_avals)
     consts = args[:num_consts]
     init, xs = args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
+    planted = take(ins, body.in_avals[len(args) :])
     last0 = [jnp.zeros(a.shape, a.dtype) for a in body.out_avals[num_out:]]
 
     def step(state, x):
         carry, last = state
-        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x)
+        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x, *planted)
         new_carry = list(flat[:num_carry])
         ran = (new_carry[0] != carry[0]) & carry[1]
         new = _update(metas, last, flat[num_out:])
@@ -112,25 +129,26 @@ def _bounded_loop_scan(args, parts, body, metas):
         reverse=parts.reverse,
         unroll=parts.unroll,
     )
-    return [*carry, *ys], last, metas
+    return [*carry, *ys], last
 
 
 def _update(metas, old, new):
     """The last value of an unreduced intermediate; the running value of a reduced one."""
     out = []
     for meta, a, b in zip(metas, split_leaves(old, metas), split_leaves(new, metas), strict=True):
-        out.extend(_reduce.combine(meta, a, meta, b) if _reduce.running(meta) else b)
+        out.extend(reductions.combine(meta, a, meta, b) if reductions.running(meta) else b)
     return out
 
 
 def _unstack_reduced(metas, stacked, flat=True):
-    """Per-iteration "stack"/"collect" accumulators, stacked by the scan on axis 0, folded into
-    one (the iterations' occurrences after the batch axes); other values stay stacked."""
+    """Per-iteration occurrence-axis accumulators ("stack", "collect"), stacked by the scan on
+    axis 0, folded into one (the iterations' occurrences after the batch axes); other values
+    stay stacked."""
     out = []
     for meta, part in zip(metas, stacked, strict=True):
         if meta.accumulator and meta.reduce is not None:
             b = meta.batch_ndim
-            part = _reduce.fold_axis(meta, [jnp.moveaxis(x, 0, b) for x in part], b)
+            part = reductions.fold_axis(meta, [jnp.moveaxis(x, 0, b) for x in part], b)
         out.append(list(part))
     return [x for part in out for x in part] if flat else out
 
@@ -138,25 +156,28 @@ def _unstack_reduced(metas, stacked, flat=True):
 register_exposer(scan_p, _scan_exposer)
 
 
-def _while_exposer(*args, **params):
-    cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts = _compat.while_parts(params)
+def _while_exposer(*args, **eqn_params):
+    cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts = params.while_parts(eqn_params)
     cond_consts = args[:cond_nconsts]
     body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
-    cond_fn, cond_metas = pull_jaxpr(cond_jaxpr)
-    body_fn, body_metas = pull_jaxpr(body_jaxpr)
+    cond_fn, cond_metas, cond_ins = pull_jaxpr(cond_jaxpr)
+    body_fn, body_metas, body_ins = pull_jaxpr(body_jaxpr)
     for meta in (*cond_metas, *body_metas):
-        _reduce.check_in_while(meta)
+        reductions.check_in_while(meta)
     n = len(init)
+    # Planted values: one each, used in every iteration.
+    cond_planted = take(cond_ins, cond_fn.in_avals[cond_nconsts + n :])
+    body_planted = take(body_ins, body_fn.in_avals[body_nconsts + n :])
     running = _equinox.loop_running(cond_jaxpr, init)
 
     def evaluate_cond(carry):
-        pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry)
+        pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry, *cond_planted)
         return pred, leaves
 
     def body(state):
         carry, _, body_old, cond_old = state
-        flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry)
+        flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry, *body_planted)
         new_carry, body_leaves = list(flat[:n]), _update(body_metas, body_old, flat[n:])
         if running is not None:
             # An equinox loop under vmap runs every example until all are done and masks its
@@ -174,7 +195,8 @@ def _while_exposer(*args, **params):
     carry, _, body_leaves, cond_leaves = jax.lax.while_loop(
         lambda state: state[1], body, (list(init), pred, body_leaves, cond_leaves)
     )
-    return carry, [*cond_leaves, *body_leaves], (*cond_metas, *body_metas)
+    mark([*cond_leaves, *body_leaves], (*cond_metas, *body_metas))
+    return carry
 
 
 register_exposer(while_p, _while_exposer)

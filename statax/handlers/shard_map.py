@@ -7,7 +7,8 @@ varying over every manual mesh axis, and the shard_map returns it with the out s
 shards left where they are (nothing is gathered onto one device). Under `vmap` the batch axis
 comes first, `(batch, num_shards, *local_shape)`, as `vmap(pull(f))` gives. `num_shards` is
 the product of the sizes of the manual mesh axes (of all of them for a plain `jax.shard_map`),
-in mesh order.
+in mesh order. A planted value comes in the same way: one global array of shape
+`(num_shards, *local_shape)`, each shard taking its own row.
 """
 
 from __future__ import annotations
@@ -17,56 +18,79 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
-from .. import _compat, _reduce
-from .._interpreter import (
+from ..extend import (
+    SHARD_MAP_PRIMITIVE,
     handler_from_exposer,
+    mark,
+    params,
     pull_open_jaxpr,
+    reductions,
     register_handler,
     split_leaves,
+    take,
+    vary,
 )
 
 
-def _shard_map_exposer(*args, **params):
-    jaxpr, mesh, in_specs, out_specs, check_vma, manual = _compat.shard_map_parts(params)
+def _shard_map_exposer(*args, **eqn_params):
+    jaxpr, mesh, in_specs, out_specs, check_vma, manual = params.shard_map_parts(eqn_params)
     # The body's occurrences of reduced names are folded inside the new shard_map (where its
     # collectives can be traced), not by pull_jaxpr.
-    pulled, raw_metas = pull_open_jaxpr(jaxpr)
+    pulled, raw_metas, ins = pull_open_jaxpr(jaxpr)
     metas = _merged_metas(raw_metas, pulled.outvars[len(jaxpr.outvars) :])
     num_out = len(jaxpr.outvars)
     axes = tuple(name for name in mesh.axis_names if name in manual)
+    num_shards = 1
+    for name in axes:
+        num_shards *= mesh.shape[name]
 
     # Where a vmap inside batched a mark, its batch axes come first and the shard axis after.
     # A name reduced elementwise combines over the shards, with collectives: one value.
     per_shard = [
-        None if _reduce.running(m) else m.batch_ndim for m in metas for _ in range(m.num_arrays)
+        None if reductions.running(m) else m.batch_ndim for m in metas for _ in range(m.num_arrays)
     ]
+    in_axis = [m.batch_ndim for m in ins for _ in range(m.num_arrays)]
 
     def body(*local):
-        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(pulled, ()))(*local)
-        _, merged = _reduce.merge(raw_metas, flat[num_out:])
+        given = [
+            jnp.squeeze(x, k) for x, k in zip(local[len(args) :], in_axis, strict=True)
+        ]
+        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(pulled, ()))(*local[: len(args)], *given)
+        _, merged = reductions.merge(raw_metas, flat[num_out:])
         leaves = []
         for meta, part in zip(metas, split_leaves(merged, metas), strict=True):
-            if _reduce.running(meta):
-                leaves.extend(_reduce.across_shards(meta, part, axes))
+            if reductions.running(meta):
+                leaves.extend(reductions.across_shards(meta, part, axes))
             else:
-                leaves.extend(_compat.vary(jnp.expand_dims(x, meta.batch_ndim), axes) for x in part)
+                leaves.extend(vary(jnp.expand_dims(x, meta.batch_ndim), axes) for x in part)
         return list(flat[:num_out]), leaves
 
-    specs = [PartitionSpec() if k is None else PartitionSpec(*[None] * k, axes) for k in per_shard]
+    def spec(k):
+        return PartitionSpec() if k is None else PartitionSpec(*[None] * k, axes)
+
+    local_in = [x.aval for x in pulled.invars[len(args) :]]
+    planted = take(
+        ins,
+        [
+            jax.ShapeDtypeStruct((*a.shape[:k], num_shards, *a.shape[k:]), a.dtype)
+            for a, k in zip(local_in, in_axis, strict=True)
+        ],
+    )
     outs, leaves = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=tuple(in_specs),
-        out_specs=(list(out_specs), specs),
+        in_specs=(*in_specs, *map(spec, in_axis)),
+        out_specs=(list(out_specs), [spec(k) for k in per_shard]),
         check_vma=check_vma,
         axis_names=frozenset(manual),
-    )(*args)
-    # "stack" and "collect" accumulators: the shards' occurrences, one after another.
+    )(*args, *planted)
+    # Occurrence-axis accumulators ("stack", "collect"): the shards' occurrences, in order.
     folded = [
-        _reduce.fold_axis(m, part, m.batch_ndim) if _reduce.stacked(m) else part
+        reductions.fold_axis(m, part, m.batch_ndim) if reductions.stacked(m) else part
         for m, part in zip(metas, split_leaves(leaves, metas), strict=True)
     ]
-    return outs, [x for part in folded for x in part], metas
+    mark([x for part in folded for x in part], metas)
+    return outs
 
 
 def _merged_metas(metas, leaf_vars):
@@ -74,8 +98,8 @@ def _merged_metas(metas, leaf_vars):
         return metas
     found = []
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in leaf_vars]
-    jax.eval_shape(lambda *xs: found.append(_reduce.merge(metas, xs)[0]), *shapes)
+    jax.eval_shape(lambda *xs: found.append(reductions.merge(metas, xs)[0]), *shapes)
     return found[0]
 
 
-register_handler(_compat.SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer))
+register_handler(SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer))

@@ -14,13 +14,12 @@ import jax
 from jax.extend import core as jex
 from jax.extend.core.primitives import linear_solve_p
 
-from .. import _compat
-from .._interpreter import handler_from_exposer, inert, pulled_with_rule, register_handler
+from ..extend import handler_from_exposer, inert, params, pulled_with_rule, register_handler, trace
 
 
-def _linear_solve_exposer(*args, **params):
-    jaxprs, const_lengths = _compat.linear_solve_parts(params)
-    kept = _compat.linear_solve_params(params, type(jaxprs)(*map(_inert, jaxprs)))
+def _linear_solve_exposer(*args, **eqn_params):
+    jaxprs, const_lengths = params.linear_solve_parts(eqn_params)
+    kept = params.linear_solve_params(eqn_params, type(jaxprs)(*map(_inert, jaxprs)))
     start = const_lengths.matvec + const_lengths.vecmat
 
     def original(*args):
@@ -30,7 +29,7 @@ def _linear_solve_exposer(*args, **params):
         solve_consts = args[start : start + const_lengths.solve]
         return jex.jaxpr_as_fun(jaxprs.solve)(*solve_consts, *args[sum(const_lengths) :])
 
-    primal = _compat.trace(solve, [jax.typeof(x) for x in args], name="solve")
+    primal = trace(solve, [jax.typeof(x) for x in args], name="solve")
     return pulled_with_rule(original, primal, args)
 
 

@@ -1,0 +1,89 @@
+"""`statax.extend`: what a handler author needs, in the spirit of `jax.extend`.
+
+The user API (`save_inter`, `pull`, ...) is at the top level of `statax`. This module holds the
+rest: the handler contract (`Rewrite`, `register_handler`, `register_exposer`, ...), the walk
+(`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two namespaces:
+`statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
+whatever the JAX version names them) and `statax.extend.reductions` (the reduction modes).
+Every built-in handler in `statax/handlers/` is written with these names only.
+"""
+
+from .._compat import HI_PRIMITIVE as HI_PRIMITIVE
+from .._compat import JIT_PRIMITIVE as JIT_PRIMITIVE
+from .._compat import REMAT_PRIMITIVE as REMAT_PRIMITIVE
+from .._compat import SHARD_MAP_PRIMITIVE as SHARD_MAP_PRIMITIVE
+from .._compat import SymbolicZero as SymbolicZero
+from .._compat import bind as bind
+from .._compat import trace as trace
+from .._compat import vary as vary
+from .._interpreter import Exposer as Exposer
+from .._interpreter import Handler as Handler
+from .._interpreter import Rewrite as Rewrite
+from .._interpreter import Rewritten as Rewritten
+from .._interpreter import call_equation as call_equation
+from .._interpreter import extend_equation as extend_equation
+from .._interpreter import find_saves as find_saves
+from .._interpreter import find_saves_in_impl as find_saves_in_impl
+from .._interpreter import handler_from_exposer as handler_from_exposer
+from .._interpreter import inert as inert
+from .._interpreter import mark as mark
+from .._interpreter import only_in as only_in
+from .._interpreter import planting as planting
+from .._interpreter import pull_jaxpr as pull_jaxpr
+from .._interpreter import pull_open_jaxpr as pull_open_jaxpr
+from .._interpreter import pulled_with_rule as pulled_with_rule
+from .._interpreter import register_exposer as register_exposer
+from .._interpreter import register_family as register_family
+from .._interpreter import register_handler as register_handler
+from .._interpreter import split_leaves as split_leaves
+from .._interpreter import take as take
+from .._interpreter import traced_impl as traced_impl
+from .._interpreter import unregister_family as unregister_family
+from .._interpreter import unregister_handler as unregister_handler
+from .._interpreter import zero_tangent as zero_tangent
+from .._meta import ARRAY as ARRAY
+from .._meta import StateMeta as StateMeta
+from .._primitive import save_inter_p as save_inter_p
+from . import params as params
+from . import reductions as reductions
+
+__all__ = [
+    "ARRAY",
+    "Exposer",
+    "HI_PRIMITIVE",
+    "Handler",
+    "JIT_PRIMITIVE",
+    "REMAT_PRIMITIVE",
+    "Rewrite",
+    "Rewritten",
+    "SHARD_MAP_PRIMITIVE",
+    "StateMeta",
+    "SymbolicZero",
+    "bind",
+    "call_equation",
+    "extend_equation",
+    "find_saves",
+    "find_saves_in_impl",
+    "handler_from_exposer",
+    "inert",
+    "mark",
+    "only_in",
+    "params",
+    "planting",
+    "pull_jaxpr",
+    "pull_open_jaxpr",
+    "pulled_with_rule",
+    "reductions",
+    "register_exposer",
+    "register_family",
+    "register_handler",
+    "save_inter_p",
+    "split_leaves",
+    "take",
+    "trace",
+    "traced_impl",
+    "unregister_family",
+    "unregister_handler",
+    "vary",
+    "zero_tangent",
+]

@@ -1,0 +1,50 @@
+"""Reading and writing the params of JAX's higher-order primitives, whatever the JAX version in
+use names them: a view of each family (`*_parts`) and a way back (`*_params`). A handler that
+reads params through these survives a JAX release that renames them (they live in
+`statax._compat`, the one module that knows JAX's internals)."""
+
+from .._compat import LinearSolveParts as LinearSolveParts
+from .._compat import ScanParts as ScanParts
+from .._compat import ShardMapParts as ShardMapParts
+from .._compat import WhileParts as WhileParts
+from .._compat import call_jaxpr as call_jaxpr
+from .._compat import call_params as call_params
+from .._compat import cond_branches as cond_branches
+from .._compat import cond_params as cond_params
+from .._compat import custom_params as custom_params
+from .._compat import custom_primal as custom_primal
+from .._compat import hi_expand as hi_expand
+from .._compat import hi_jaxprs as hi_jaxprs
+from .._compat import jaxprs_in_params as jaxprs_in_params
+from .._compat import jit_jaxpr as jit_jaxpr
+from .._compat import jit_params as jit_params
+from .._compat import linear_solve_params as linear_solve_params
+from .._compat import linear_solve_parts as linear_solve_parts
+from .._compat import scan_params as scan_params
+from .._compat import scan_parts as scan_parts
+from .._compat import shard_map_parts as shard_map_parts
+from .._compat import while_parts as while_parts
+
+__all__ = [
+    "LinearSolveParts",
+    "ScanParts",
+    "ShardMapParts",
+    "WhileParts",
+    "call_jaxpr",
+    "call_params",
+    "cond_branches",
+    "cond_params",
+    "custom_params",
+    "custom_primal",
+    "hi_expand",
+    "hi_jaxprs",
+    "jaxprs_in_params",
+    "jit_jaxpr",
+    "jit_params",
+    "linear_solve_params",
+    "linear_solve_parts",
+    "scan_params",
+    "scan_parts",
+    "shard_map_parts",
+    "while_parts",
+]
