@@ -36,9 +36,9 @@ class UnhandledPrimitiveError(NotImplementedError):
         super().__init__(
             f"statax.pull cannot look inside the primitive `{primitive}`, {where}"
             f"{_where(self.metas)}.\n"
-            f"To fix: register a handler with `statax.extend.register_handler({primitive}_p, handler)` "
-            "(see 'Writing a handler' in the docs), or move the save_inter out of the "
-            f"`{primitive}`."
+            "To fix: register a handler with "
+            f"`statax.extend.register_handler({primitive}_p, handler)` (see 'Writing a "
+            f"handler' in the docs), or move the save_inter out of the `{primitive}`."
         )
 
 

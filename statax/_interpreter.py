@@ -37,7 +37,7 @@ from jax.extend import core as jex
 from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
-from ._primitive import INERT, INPUT, bound_status, collected, save_inter_p
+from ._primitive import EXPOSED, INERT, INPUT, collected, plantable, save_inter_p
 
 __all__ = [
     "Exposer",
@@ -248,7 +248,8 @@ def _acts_on(params: dict) -> bool:
     it in (a placeholder bound by `take`)."""
     if params["status"] == INPUT:
         return True
-    return collected(params) and (_selected(params["meta"]) or _planted(params["meta"]))
+    meta = params["meta"]
+    return (collected(params) and _selected(meta)) or (plantable(params) and _planted(meta))
 
 
 def _cached(store: weakref.WeakKeyDictionary, key, compute):
@@ -415,7 +416,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
         if eqn.primitive is save_inter_p:
             meta, values = eqn.params["meta"], list(eqn.invars)
-            if eqn.params["status"] == INPUT or (collected(eqn.params) and _planted(meta)):
+            if eqn.params["status"] == INPUT or (plantable(eqn.params) and _planted(meta)):
                 values = [jex.Var(x.aval) for x in eqn.outvars]
                 extra_in.extend(values)
                 ins.append(meta)
@@ -580,7 +581,7 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
     """Bind the intermediates `metas` describe (flat `leaves`) again, as marks: in an exposer,
     outside the primitive it took them out of."""
     for meta, part in zip(metas, split_leaves(leaves, metas), strict=True):
-        save_inter_p.bind(*part, meta=meta, status=bound_status())
+        save_inter_p.bind(*part, meta=meta, status=EXPOSED)
 
 
 def take(metas: Sequence[StateMeta], avals: Sequence) -> list:

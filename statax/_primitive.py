@@ -33,15 +33,18 @@ from ._reduce import MODES
 COLLECTING = "collecting"  # bound while a `pull` traces: carries SaveEffect; collected
 IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by a later pull_jaxpr
 INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
-INPUT = "input"  # stands for a value fed in from outside (see `_interpreter.take`); never collected
+# Bound by handlers (exposers), outside the primitive a value was taken out of or fed into:
+EXPOSED = "exposed"  # a value taken out (`_interpreter.mark`): collected, never planted again
+INPUT = "input"  # a value fed in from outside (`_interpreter.take`): never collected
 
 __all__ = [
     "COLLECTING",
+    "EXPOSED",
     "IDLE",
     "INERT",
     "INPUT",
-    "bound_status",
     "collected",
+    "plantable",
     "save_inter",
     "save_inter_p",
 ]
@@ -126,13 +129,14 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     )
 
 
-def bound_status() -> str:
-    """The status of a mark bound now: collecting while a `pull` traces, idle otherwise."""
-    return COLLECTING if _compat.PULLING.value else IDLE
-
-
 def collected(params: dict) -> bool:
     """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
+    return params["status"] in (COLLECTING, IDLE, EXPOSED)
+
+
+def plantable(params: dict) -> bool:
+    """Whether a rewrite that plants marks may plant the mark with these params: one bound by
+    `save_inter` (not one a handler bound again)."""
     return params["status"] in (COLLECTING, IDLE)
 
 
@@ -146,7 +150,7 @@ def _impl(*xs, meta, status):
 
 @save_inter_p.def_effectful_abstract_eval
 def _abstract_eval(*avals, meta, status):
-    return avals, ({_compat.SAVE_EFFECT} if status == COLLECTING else set())
+    return avals, ({_compat.SAVE_EFFECT} if status in (COLLECTING, EXPOSED) else set())
 
 
 _compat.register_lowering_identity(save_inter_p)
@@ -204,7 +208,9 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # ("staged") pass is inert, so that the value is collected once. With unknown inputs it is
     # staged whole.
     residuals = [
-        v for v, inst in zip(eqn.invars, inst_in, strict=True) if isinstance(v, jex.Var) and not inst
+        v
+        for v, inst in zip(eqn.invars, inst_in, strict=True)
+        if isinstance(v, jex.Var) and not inst
     ]
     n = len(eqn.outvars)
     if any(unks_in):

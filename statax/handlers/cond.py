@@ -57,7 +57,9 @@ def _branch(pulled, num_ops, num_out, slots, where, in_slots, in_where):
         given = split_leaves(args[num_ops:], [meta for meta, _ in in_slots.values()])
         given = dict(zip(in_slots, given, strict=True))
         mine_in = sorted(in_where, key=in_where.get)  # this branch's planted marks, in order
-        flat = jex.jaxpr_as_fun(pulled.jaxpr)(*args[:num_ops], *(x for k in mine_in for x in given[k]))
+        flat = jex.jaxpr_as_fun(pulled.jaxpr)(
+            *args[:num_ops], *(x for k in mine_in for x in given[k])
+        )
         mine = split_leaves(flat[num_out:], pulled.outs)
         leaves = []
         for key, (_, avals) in slots.items():
@@ -74,9 +76,7 @@ def _cond_exposer(index, *ops, **eqn_params):
     branches = params.cond_branches(eqn_params)
     num_out = len(branches[0].out_avals)
     pulled = [pull_jaxpr(branch) for branch in branches]
-    slots, where = _slots(
-        [p.outs for p in pulled], [p.jaxpr.out_avals[num_out:] for p in pulled]
-    )
+    slots, where = _slots([p.outs for p in pulled], [p.jaxpr.out_avals[num_out:] for p in pulled])
     in_slots, in_where = _slots(
         [p.ins for p in pulled], [p.jaxpr.in_avals[len(ops) :] for p in pulled]
     )

@@ -52,7 +52,9 @@ def _scan_exposer(*args, **eqn_params):
         mark(leaves, metas)
         return outs
     # Planted values: one per iteration, as extra xs.
-    planted = take(ins, [(parts.length, *a.shape) for a in body.in_avals[len(args) :]])
+    planted = take(
+        ins, [a.update(shape=(parts.length, *a.shape)) for a in body.in_avals[len(args) :]]
+    )
     if not any(reductions.running(m) for m in metas):
         new_params = params.scan_params(eqn_params, parts._replace(jaxpr=body))
         flat = scan_p.bind(*args, *planted, **new_params)
@@ -67,7 +69,9 @@ def _scan_exposer(*args, **eqn_params):
     )
     avals = split_leaves(body.out_avals[num_out:], metas)
     acc0 = [
-        reductions.identity(m, a) for m, a in zip(metas, avals, strict=True) if reductions.running(m)
+        reductions.identity(m, a)
+        for m, a in zip(metas, avals, strict=True)
+        if reductions.running(m)
     ]
 
     def step(state, x):
@@ -93,7 +97,9 @@ def _scan_exposer(*args, **eqn_params):
     stacked = iter(
         _unstack_reduced([m for m in metas if not reductions.running(m)], stacked, flat=False)
     )
-    mark([x for m in metas for x in (next(accs) if reductions.running(m) else next(stacked))], metas)
+    mark(
+        [x for m in metas for x in (next(accs) if reductions.running(m) else next(stacked))], metas
+    )
     return [*carry, *ys]
 
 

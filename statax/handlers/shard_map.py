@@ -52,9 +52,7 @@ def _shard_map_exposer(*args, **eqn_params):
     in_axis = [m.batch_ndim for m in ins for _ in range(m.num_arrays)]
 
     def body(*local):
-        given = [
-            jnp.squeeze(x, k) for x, k in zip(local[len(args) :], in_axis, strict=True)
-        ]
+        given = [jnp.squeeze(x, k) for x, k in zip(local[len(args) :], in_axis, strict=True)]
         flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(pulled, ()))(*local[: len(args)], *given)
         _, merged = reductions.merge(raw_metas, flat[num_out:])
         leaves = []
