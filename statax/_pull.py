@@ -70,6 +70,14 @@ class _Pulled(eqx.Module):
     summarize: Any = eqx.field(static=True)
     ran: bool = eqx.field(static=True, default=False)
 
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """`fn`'s signature, which tools and `jax.jit(..., static_argnames=...)` read."""
+        try:
+            return inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a callable without one (some builtins)
+            return None
+
     def __call__(self, *args, **kwargs):
         if not self.enabled:
             return self.fn(*args, **kwargs), {}

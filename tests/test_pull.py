@@ -1,12 +1,14 @@
 """`pull` against hand-written references: naming, pytrees, composition, DCE, caching."""
 
 import gc
+import inspect
 import weakref
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import statax as stx
 from statax.testing import assert_tree_allclose, check_pull
@@ -384,3 +386,29 @@ def test_cached_trace_from_permissive_promotion_is_not_reused_under_strict():
         assert stx.pull(f)(x, m)[0].shape == (2, 3)
     with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
         stx.pull(f)(x, m)
+
+
+def test_pull_keeps_the_signature():
+    def f(x, n=2, *, scale):
+        return stx.save_inter(x * scale, name="y") ** n
+
+    pulled = stx.pull(f)
+    assert inspect.signature(pulled) == inspect.signature(f)
+    jitted = jax.jit(pulled, static_argnames="n")  # reads the signature
+    out, inters = jitted(jnp.float32(2.0), n=3, scale=jnp.float32(1.5))
+    assert_tree_allclose((out, inters), (jnp.float32(27.0), {"y_0": jnp.float32(3.0)}))
+
+
+def test_changing_a_handler_drops_every_cached_rewrite():
+    from statax import _interpreter, _pull
+
+    def f(x):
+        return lax.cond(x > 0, lambda: stx.save_inter(x, name="c"), lambda: x)
+
+    stx.pull(f)(1.0)
+    assert _pull._CACHE and _interpreter._PULLED and _interpreter._SAVES
+    handler = _interpreter._HANDLERS[lax.cond_p]
+    stx.extend.register_handler(lax.cond_p, handler)
+    caches = (_interpreter._SAVES, _interpreter._PULLED, _interpreter._PULLED_OPEN)
+    assert not _pull._CACHE and not any(caches)
+    assert not _interpreter._INERT and not _interpreter._IMPLS

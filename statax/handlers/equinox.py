@@ -23,7 +23,7 @@ The other equinox constructs need no handler of their own: `eqx.filter_jit` is a
 
 from __future__ import annotations
 
-import weakref
+from collections import OrderedDict
 
 from .. import _equinox
 from ..extend import (
@@ -40,21 +40,23 @@ from ..extend import (
 )
 
 _noinline_p, _fn_of = _equinox.equinox_noinline()
-# The function each `noinline` equation calls, traced once (the equation is held weakly).
-_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The function each `noinline` equation calls, traced once: finding its marks and rewriting the
+# call share the trace. Keyed by what the equation calls (its function index, its static params,
+# held so that their id is not reused, and its input types); bounded.
+_TRACED: OrderedDict = OrderedDict()
 
 
 def _traced(eqn):
-    try:
-        return _TRACED[eqn]
-    except (KeyError, TypeError):
-        pass
+    static = eqn.params["static"]
+    key = (str(eqn.invars[0]), id(static), tuple(x.aval for x in eqn.invars))
+    hit = _TRACED.get(key)
+    if hit is not None and hit[0] is static:
+        return hit[1]
     fn = _fn_of(eqn)
     closed = None if fn is None else trace(fn, [x.aval for x in eqn.invars], name="noinline")
-    try:
-        _TRACED[eqn] = closed
-    except TypeError:  # not weakly referenceable: traced again next time
-        pass
+    _TRACED[key] = (static, closed)
+    if len(_TRACED) > 256:
+        _TRACED.popitem(last=False)
     return closed
 
 

@@ -118,3 +118,17 @@ def test_noinline():
     check_pull(f, ref, X, transforms=("plain", "jit", "vmap", "grad"))
     # Unpulled, the call stays a noinline.
     assert any(e.primitive.name == "noinline" for e in jax.make_jaxpr(f)(X).eqns)
+
+
+def test_noinline_function_is_traced_once_per_pull(monkeypatch):
+    from statax.handlers import equinox as handler
+
+    traced = []
+    original = handler.trace
+    monkeypatch.setattr(handler, "trace", lambda *a, **k: traced.append(1) or original(*a, **k))
+
+    def f(x):
+        return eqxi.noinline(lambda y: stx.save_inter(y * 3, name="n"))(x)
+
+    assert_tree_allclose(stx.pull(f)(X)[1], {"n_0": X * 3})
+    assert len(traced) == 1  # finding the mark and rewriting the call share one trace
