@@ -80,24 +80,6 @@ def test_nested_pull_does_not_collect_custom_derivative_marks_twice():
     assert stx.pull(outer)(X)[1] == {}
 
 
-def test_custom_linear_solve_collects_the_solve():
-    def f(b):
-        def solve(matvec, b):
-            return stx.save_inter(b / 2, name="solve")
-
-        return jnp.sum(lax.custom_linear_solve(lambda x: 2 * x, b, solve, symmetric=True))
-
-    def ref(b):
-        return jnp.sum(b / 2), {"solve_0": b / 2}
-
-    check_pull(f, ref, X, transforms=("plain", "jit", "vmap", "filter_jit"))
-    grad, inters = jax.grad(stx.pull(f), has_aux=True)(X)
-    assert_tree_allclose((grad, inters), (jnp.full(3, 0.5), {"solve_0": X / 2}))
-    # Under an inner grad the transposed solve runs too, and is collected where it runs.
-    grad, inters = stx.pull(jax.grad(f))(X)
-    assert_tree_allclose((grad, inters["solve_0"]), (jnp.full(3, 0.5), X / 2))
-
-
 def test_custom_root():
     def f(x):
         def solve(g, y0):
