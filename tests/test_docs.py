@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+import statax as stx
+
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 FENCE = re.compile(r"^```(python|pycon)\n(.*?)^```", re.M | re.S)
@@ -39,3 +41,15 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
             result = runner.run(test, clear_globs=False)
             namespace.update(test.globs)
             assert result.failed == 0, f"{name} failed; see the doctest output above"
+
+
+def test_api_page_documents_every_public_name():
+    import statax.extend
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: (\S+)$", page, flags=re.M))
+    public = {f"statax.{n}" for n in stx.__all__ if n != "extend"}
+    public |= {f"statax.extend.{n}" for n in statax.extend.__all__}
+    assert public - documented == set()
+    assert stx.__all__ == sorted(stx.__all__)
+    assert statax.extend.__all__ == sorted(statax.extend.__all__)
