@@ -12,8 +12,11 @@ from ._display import describe as describe
 from ._errors import BranchMismatchError as BranchMismatchError
 from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
+from ._errors import PlantError as PlantError
 from ._errors import ReduceMismatchError as ReduceMismatchError
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
+from ._interventions import grad_inters as grad_inters
+from ._interventions import plant as plant
 from ._meta import StateMeta as StateMeta
 from ._primitive import save_inter as save_inter
 from ._pull import Key as Key
@@ -39,6 +42,7 @@ __all__ = [
     "HandlerError",
     "Key",
     "KeyCollisionError",
+    "PlantError",
     "ReduceMismatchError",
     "StateMeta",
     "TensorBoardWriter",
@@ -46,8 +50,10 @@ __all__ = [
     "UnhandledPrimitiveError",
     "describe",
     "extend",
+    "grad_inters",
     "plot_exponent_histogram",
     "plot_heatmap",
+    "plant",
     "plot_stat",
     "pull",
     "records",

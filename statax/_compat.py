@@ -139,12 +139,12 @@ SCOPE = jax_config.string_or_object_state(
 )
 
 
-# Which marks a rewrite turns into inputs (values planted from outside), a predicate on StateMeta
-# or None; part of the trace context as the selection is.
+# The `plant` in force (a `statax._plant.Planting`: which names take values in from outside,
+# and their hooks), or None; part of the trace context as the selection is.
 PLANTING = jax_config.string_or_object_state(
     "statax_planting",
     None,
-    "Internal to statax: which marks the rewrite in force turns into inputs.",
+    "Internal to statax: the plant in force.",
     include_in_trace_context=True,
 )
 

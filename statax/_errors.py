@@ -10,6 +10,7 @@ __all__ = [
     "BranchMismatchError",
     "HandlerError",
     "KeyCollisionError",
+    "PlantError",
     "ReduceMismatchError",
     "UnhandledPrimitiveError",
 ]
@@ -109,3 +110,7 @@ class KeyCollisionError(ValueError):
             f"(reduce={other.reduce!r}) at {other.location}. A reduced name is keyed by the "
             "name itself, an unreduced one by name_n. To fix: rename one of them."
         )
+
+
+class PlantError(ValueError):
+    """A value given to `plant` (or `grad_inters`) that cannot go where it was asked to."""

@@ -1,12 +1,12 @@
 """`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
 
 `pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
-output, and every mark that the rewrite in force *plants* (see `planting`) takes its value from
-an extra input. It walks the equations once:
+output, and every value that a mark takes in from outside (a planted value, see `take`) comes
+from an extra input. It walks the equations once:
 
-* a `save_inter` equation is removed: its outputs are its operands (or, where planted, new
-  inputs appended to the jaxpr's), and those values are appended to the jaxpr's outputs,
-  described by the `StateMeta` in its params;
+* a `save_inter` equation is removed: its outputs are its operands, appended to the jaxpr's
+  outputs, described by the `StateMeta` in its params; or, for a mark that takes a value in,
+  new variables appended to the jaxpr's inputs;
 * an equation whose inner jaxprs hold no mark is kept as it is;
 * any other equation goes to the handler registered for its primitive. There is one rule
   shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
@@ -37,7 +37,7 @@ from jax.extend import core as jex
 from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
-from ._primitive import EXPOSED, INERT, INPUT, collected, plantable, save_inter_p
+from ._primitive import COLLECTING, INERT, INPUT, collected, save_inter_p
 
 __all__ = [
     "Exposer",
@@ -53,7 +53,6 @@ __all__ = [
     "mark",
     "on_forget",
     "only_in",
-    "planting",
     "pull_jaxpr",
     "pull_open_jaxpr",
     "pulled_with_rule",
@@ -209,11 +208,10 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
 
 # ---- which marks a rewrite acts on ----------------------------------------------------------
 
-# The selection of the `pull` in force (`pull(fn, only=...)`) and the marks it plants: each a
-# predicate on StateMeta or None, a config state in JAX's trace context (`_compat.SELECTION`,
-# `_compat.PLANTING`), as the scope is: `save_inter` decides where it is bound whether it
-# collects, and JAX keeps traces made under one selection apart from the others. Caches below
-# are kept per selection and planting.
+# The selection of the `pull` in force (`pull(fn, only=...)`): a predicate on StateMeta or None,
+# a config state in JAX's trace context (`_compat.SELECTION`), as the scope is: `save_inter`
+# decides where it is bound whether it collects, and JAX keeps traces made under one selection
+# apart from the others. Caches below are kept per selection.
 
 
 @contextlib.contextmanager
@@ -225,41 +223,26 @@ def selecting(selection: Callable[[StateMeta], bool] | None):
         yield
 
 
-@contextlib.contextmanager
-def planting(planted: Callable[[StateMeta], bool] | None):
-    """Within, `pull_jaxpr` turns every mark whose meta `planted` accepts into an input: the
-    mark's value is then whatever is fed in (it is still collected, as that value)."""
-    with _compat.PLANTING(planted):
-        yield
-
-
 def _selected(meta: StateMeta) -> bool:
     selection = _compat.SELECTION.value
     return selection is None or bool(selection(meta))
 
 
-def _planted(meta: StateMeta) -> bool:
-    planted = _compat.PLANTING.value
-    return planted is not None and bool(planted(meta))
-
-
 def _acts_on(params: dict) -> bool:
-    """Whether the rewrite in force does something with a mark: collects or plants it, or feeds
-    it in (a placeholder bound by `take`)."""
+    """Whether the walk does something with a mark: collects it, or feeds its value in."""
     if params["status"] == INPUT:
         return True
-    meta = params["meta"]
-    return (collected(params) and _selected(meta)) or (plantable(params) and _planted(meta))
+    return collected(params) and _selected(params["meta"])
 
 
 def _cached(store: weakref.WeakKeyDictionary, key, compute):
     per_rewrite = store.get(key)
     if per_rewrite is None:
         per_rewrite = store[key] = {}
-    rewrite = (_compat.SELECTION.value, _compat.PLANTING.value)
-    if rewrite not in per_rewrite:
-        per_rewrite[rewrite] = compute()
-    return per_rewrite[rewrite]
+    selection = _compat.SELECTION.value
+    if selection not in per_rewrite:
+        per_rewrite[selection] = compute()
+    return per_rewrite[selection]
 
 
 # ---- finding marks -------------------------------------------------------------------------
@@ -268,9 +251,9 @@ _SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
-    """The `StateMeta` of every mark in `jaxpr` that the rewrite in force acts on (collecting
-    or planting; of the current selection only, inside a `pull(fn, only=...)`), at any depth,
-    in order."""
+    """The `StateMeta` of every mark in `jaxpr` that the walk acts on (collecting it, of the
+    current selection only inside a `pull(fn, only=...)`, or feeding its value in), at any
+    depth, in order."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     return _cached(_SAVES, jaxpr, lambda: tuple(_iter_saves(jaxpr)))
@@ -416,14 +399,14 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
         if eqn.primitive is save_inter_p:
             meta, values = eqn.params["meta"], list(eqn.invars)
-            if eqn.params["status"] == INPUT or (plantable(eqn.params) and _planted(meta)):
+            if eqn.params["status"] == INPUT:
                 values = [jex.Var(x.aval) for x in eqn.outvars]
                 extra_in.extend(values)
                 ins.append(meta)
-            forwarded.update(zip(eqn.outvars, values, strict=True))
-            if collected(eqn.params) and _selected(meta):
+            elif collected(eqn.params) and _selected(meta):
                 extra_out.extend(values)
                 outs.append(meta)
+            forwarded.update(zip(eqn.outvars, values, strict=True))
             continue
         inner = _eqn_saves(eqn)
         if not inner:
@@ -581,16 +564,24 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
     """Bind the intermediates `metas` describe (flat `leaves`) again, as marks: in an exposer,
     outside the primitive it took them out of."""
     for meta, part in zip(metas, split_leaves(leaves, metas), strict=True):
-        save_inter_p.bind(*part, meta=meta, status=EXPOSED)
+        save_inter_p.bind(*part, meta=meta, status=COLLECTING)
 
 
-def take(metas: Sequence[StateMeta], avals: Sequence) -> list:
-    """The values planted at the marks `metas` describe (flat leaves of `avals`), fed in from
-    outside: in an exposer, what the primitive's rewritten jaxprs take in. The inverse of
-    `mark`: each binds a placeholder mark that the walk turns into an input."""
+def take(metas: Sequence[StateMeta], avals: Sequence, like: Sequence | None = None) -> list:
+    """Values fed in from outside (flat leaves of `avals`, described by `metas`): in an exposer,
+    what the primitive's rewritten jaxprs take in; in a planted mark, its replacement. The
+    inverse of `mark`: each binds a placeholder mark that the walk turns into an input. With
+    `like` (one array per leaf), each placeholder varies over the same manual mesh axes as its
+    array (inside a `shard_map`)."""
     leaves: list = []
+    like = iter(like) if like is not None else None
     for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
-        zeros = [jnp.zeros(a.shape, a.dtype) for a in part]
+        zeros = [
+            jnp.zeros(a.shape, a.dtype)
+            if like is None
+            else jnp.zeros_like(next(like), shape=a.shape, dtype=a.dtype)
+            for a in part
+        ]
         leaves.extend(save_inter_p.bind(*zeros, meta=meta, status=INPUT))
     return leaves
 
@@ -617,7 +608,7 @@ def inert(jaxpr):
     if _compat.wraps_jaxpr(jaxpr):
         new = inert(jaxpr.jaxpr)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
-    with selecting(None), planting(None):  # every mark, selected or not
+    with selecting(None):  # every mark, selected or not
         if not find_saves(jaxpr):
             return jaxpr
         return _inert(jaxpr)
@@ -663,8 +654,8 @@ def pulled_with_rule(
     differentiated does the pulled primal also run, behind `stop_gradient`, beside the original
     rule. A loop inside runs once, as unpulled.
 
-    Where the rewrite plants a value inside, the function is no longer the one its rule
-    describes: it runs as written and is differentiated as written.
+    Where a value is planted inside (it takes values in), the function is no longer the one its
+    rule describes: it runs as written and is differentiated as written.
     """
     pulled, metas, ins = pull_jaxpr(primal)
     n = len(primal.out_avals)

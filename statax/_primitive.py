@@ -33,18 +33,14 @@ from ._reduce import MODES
 COLLECTING = "collecting"  # bound while a `pull` traces: carries SaveEffect; collected
 IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by a later pull_jaxpr
 INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
-# Bound by handlers (exposers), outside the primitive a value was taken out of or fed into:
-EXPOSED = "exposed"  # a value taken out (`_interpreter.mark`): collected, never planted again
 INPUT = "input"  # a value fed in from outside (`_interpreter.take`): never collected
 
 __all__ = [
     "COLLECTING",
-    "EXPOSED",
     "IDLE",
     "INERT",
     "INPUT",
     "collected",
-    "plantable",
     "save_inter",
     "save_inter_p",
 ]
@@ -119,6 +115,9 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
     status = IDLE
     if _compat.PULLING.value:
+        planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
+        if planting is not None and name in planting.names and arrays:
+            arrays = planting.plant(meta, arrays, value)
         status = COLLECTING
         selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
         if selection is not None and not selection(meta):
@@ -131,12 +130,6 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
 
 def collected(params: dict) -> bool:
     """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
-    return params["status"] in (COLLECTING, IDLE, EXPOSED)
-
-
-def plantable(params: dict) -> bool:
-    """Whether a rewrite that plants marks may plant the mark with these params: one bound by
-    `save_inter` (not one a handler bound again)."""
     return params["status"] in (COLLECTING, IDLE)
 
 
@@ -150,7 +143,7 @@ def _impl(*xs, meta, status):
 
 @save_inter_p.def_effectful_abstract_eval
 def _abstract_eval(*avals, meta, status):
-    return avals, ({_compat.SAVE_EFFECT} if status in (COLLECTING, EXPOSED) else set())
+    return avals, ({_compat.SAVE_EFFECT} if status == COLLECTING else set())
 
 
 _compat.register_lowering_identity(save_inter_p)

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _nnx, _reduce
+from . import _compat, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
-from ._interpreter import on_forget, pull_jaxpr, selecting
+from ._interpreter import mark, on_forget, pull_jaxpr, selecting, take
 from ._meta import StateMeta, hashable
 
 __all__ = ["pull"]
@@ -35,6 +35,8 @@ class _Entry(NamedTuple):
     num_out: int
     literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
     summarized: dict  # summarize function -> compiled evaluation that applies it
+    ins: tuple[StateMeta, ...] = ()  # what the rewritten jaxpr takes in (planted marks)
+    in_avals: tuple = ()
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -69,6 +71,7 @@ class _Pulled(eqx.Module):
     enabled: bool = eqx.field(static=True)
     summarize: Any = eqx.field(static=True)
     ran: bool = eqx.field(static=True, default=False)
+    planting: Any = eqx.field(static=True, default=None)  # for `plant`: a `_plant.Planting`
 
     @property
     def __signature__(self) -> inspect.Signature | None:
@@ -79,6 +82,10 @@ class _Pulled(eqx.Module):
             return None
 
     def __call__(self, *args, **kwargs):
+        return self.call(args, kwargs)
+
+    def call(self, args, kwargs, values=None):
+        """`(out, intermediates)`; for `plant`, with `values` planted."""
         if not self.enabled:
             return self.fn(*args, **kwargs), {}
         root, tree, call = _split_callable(self.fn)
@@ -88,12 +95,18 @@ class _Pulled(eqx.Module):
             # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
             packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
             leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
-            (out, state), inters = self._run(root, _nnx.calling(call), leaves, treedef)
+            (out, state), inters = self._run(root, _nnx.calling(call), leaves, treedef, values)
             _nnx.update(nodes, state)
             return out, inters
-        return self._run(root, call, leaves, treedef)
+        return self._run(root, call, leaves, treedef, values)
 
-    def _run(self, root, call, leaves, treedef):
+    def _run(self, root, call, leaves, treedef, values):
+        if self.planting is None:  # (within an enclosing plant, its planting stays in force)
+            return self._run_planted(root, call, leaves, treedef, values)
+        with _compat.PLANTING(self.planting):
+            return self._run_planted(root, call, leaves, treedef, values)
+
+    def _run_planted(self, root, call, leaves, treedef, values):
         traced = _traced_mask(leaves, treedef)
         dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
         key = (
@@ -108,13 +121,23 @@ class _Pulled(eqx.Module):
             entry = _trace(call, leaves, treedef, traced, self.only)
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
+        if values is not None:  # `plant`: its values, checked against the marks
+            fed = _plant.feed(entry.ins, entry.in_avals, values, self.planting)
+        else:  # within an enclosing plant: what it plants comes in from outside
+            fed = take(entry.ins, entry.in_avals)
         if self.summarize is not None:
-            return _summarized(entry, self.summarize, self.ran)(*dynamic)
-        return _evaluate(entry, dynamic, self.ran)
+            return _summarized(entry, self.summarize, self.ran)(*dynamic, *fed)
+        # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
+        remark = self.planting is not None and bool(_compat.PULLING.value)
+        return _evaluate(entry, [*dynamic, *fed], self.ran, remark)
 
 
-def _evaluate(entry: _Entry, dynamic: Sequence, ran: bool) -> tuple[Any, dict[str, Any]]:
-    flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic)
+def _evaluate(
+    entry: _Entry, args: Sequence, ran: bool, remark: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    flat = jex.jaxpr_as_fun(entry.jaxpr)(*args)
+    if remark:
+        mark(flat[entry.num_out :], entry.metas)
     if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
         flat = list(flat)
         for i, dtype in entry.literals:
@@ -130,8 +153,8 @@ def _summarized(entry: _Entry, summarize: Callable, ran: bool) -> Callable:
     compiled = entry.summarized.get((summarize, ran))
     if compiled is None:
 
-        def run(*dynamic):
-            out, inters = _evaluate(entry, dynamic, ran)
+        def run(*args):
+            out, inters = _evaluate(entry, args, ran)
             return out, {key: summarize(value) for key, value in inters.items()}
 
         compiled = entry.summarized[summarize, ran] = eqx.filter_jit(run)
@@ -220,12 +243,14 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True):
             closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        new, metas, _ = pull_jaxpr(closed)
+        new, metas, ins = pull_jaxpr(closed)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )
-    return _Entry(new, metas, out_def, out_static, len(closed.jaxpr.outvars), literals, {})
+    in_avals = tuple(new.in_avals[len(dynamic) :])
+    n = len(closed.jaxpr.outvars)
+    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals)
 
 
 def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:

@@ -28,7 +28,6 @@ from .._interpreter import handler_from_exposer as handler_from_exposer
 from .._interpreter import inert as inert
 from .._interpreter import mark as mark
 from .._interpreter import only_in as only_in
-from .._interpreter import planting as planting
 from .._interpreter import pull_jaxpr as pull_jaxpr
 from .._interpreter import pull_open_jaxpr as pull_open_jaxpr
 from .._interpreter import pulled_with_rule as pulled_with_rule
@@ -69,7 +68,6 @@ __all__ = [
     "mark",
     "only_in",
     "params",
-    "planting",
     "pull_jaxpr",
     "pull_open_jaxpr",
     "pulled_with_rule",

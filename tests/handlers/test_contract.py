@@ -1,8 +1,8 @@
 """The handler contract: a `Rewrite` adds outputs *and* inputs to an equation.
 
 A handler for a primitive of our own adds an input by hand; then every built-in handler
-threads a planted value (a mark turned into an input, as interventions do) to the mark inside,
-checked against the same function written by hand to take the value as an argument.
+threads a planted value (`stx.plant`: a mark that takes its value in from outside) to the mark
+inside, checked against the same function written by hand to take the value as an argument.
 """
 
 import jax
@@ -16,7 +16,7 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import statax as stx
-from statax import _compat, extend
+from statax import extend
 from statax.testing import assert_tree_allclose
 
 once_call_p = Primitive("once_call")
@@ -47,25 +47,6 @@ def by_hand_handler(eqn):
     return extend.Rewrite(new, outs, ins)
 
 
-def plant(f, names):
-    """`f` rewritten with the marks named `names` planted: `(args, values) -> (out, inters)`,
-    `values` one flat leaf per planted leaf, in program order."""
-
-    def run(*args):
-        with _compat.PULLING(True), extend.planting(lambda m: m.name in names):
-            closed = jax.make_jaxpr(f)(*args)
-            rewritten = extend.pull_jaxpr(closed)
-        n = len(closed.out_avals)
-
-        def call(*values):
-            flat = jaxpr_as_fun(rewritten.jaxpr)(*args, *values)
-            return flat[:n], flat[n:]
-
-        return rewritten, call
-
-    return run
-
-
 def inner_fn(y):
     return jnp.sin(stx.save_inter(y * 2, name="h")) + 1
 
@@ -78,14 +59,11 @@ def test_a_handler_that_adds_an_input():
         # Collecting: one output.
         out, inters = stx.pull(f)(x)
         assert_tree_allclose((out, inters), (f(x), {"h_0": x * 2}))
-        # Planting: one input, reaching the mark inside the primitive.
-        rewritten, call = plant(f, {"h"})(x)
-        assert [m.name for m in rewritten.ins] == ["h"]
-        (eqn,) = [e for e in rewritten.jaxpr.eqns if e.primitive is once_call_p]
-        assert len(eqn.invars) == 2 and len(eqn.outvars) == 2
-        (out,), (h,) = call(value)
-        assert_tree_allclose(out, (jnp.sin(value) + 1) * 3)
-        assert_tree_allclose(h, value)  # collected as what it now is
+        # Planting: the planted mark takes its choice and value in, through the primitive.
+        planted = lambda x, v: stx.plant(f)({"h_0": v}, x)  # noqa: E731
+        assert_tree_allclose(planted(x, value), (jnp.sin(value) + 1) * 3)
+        (eqn,) = [e for e in jax.make_jaxpr(planted)(x, value).eqns if e.primitive is once_call_p]
+        assert len(eqn.invars) == 3 and len(eqn.outvars) == 2  # x, choice, value; out, h
     finally:
         extend.unregister_handler(once_call_p)
     with pytest.raises(stx.UnhandledPrimitiveError):  # unregistered: an error again
@@ -99,10 +77,9 @@ def test_a_handler_that_miscounts_its_inputs_is_reported():
 
     extend.register_handler(once_call_p, bad)
     try:
-        with pytest.raises(
-            stx.HandlerError, match=r"`once_call` returned an equation with 1 inputs"
-        ):
-            plant(lambda x: once_call(inner_fn, x), {"h"})(1.0)
+        match = r"`once_call` returned an equation with 1 inputs"
+        with pytest.raises(stx.HandlerError, match=match):
+            stx.plant(lambda x: once_call(inner_fn, x))({"h": 2.0}, 1.0)
     finally:
         extend.unregister_handler(once_call_p)
 
@@ -200,11 +177,12 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_every_handler_threads_a_planted_value(case):
     f, by_hand, value, x = CASES[case]
-    rewritten, call = plant(f, {"h"})(x)
-    assert [m.name for m in rewritten.ins] == ["h"]
-    out, (h,) = call(value)
-    assert_tree_allclose(jax.tree.leaves(out), jax.tree.leaves(by_hand(x, value)))
-    assert_tree_allclose(h, value)
+    expected = jax.tree.leaves(by_hand(x, value))
+    assert_tree_allclose(jax.tree.leaves(stx.plant(f)({"h_0": value}, x)), expected)
+    assert_tree_allclose(jax.tree.leaves(jax.jit(stx.plant(f))({"h": value}, x)), expected)
+    # Pulled, the intermediate is what it now is.
+    _, inters = stx.pull(lambda x, v: stx.plant(f)({"h": v}, x))(x, value)
+    assert_tree_allclose(inters, {"h_0": value})
 
 
 def test_a_planted_custom_derivative_is_differentiated_as_written():
@@ -213,8 +191,7 @@ def test_a_planted_custom_derivative_is_differentiated_as_written():
     def f(x):
         return _custom(x).sum()
 
-    rewritten, _ = plant(f, {"h"})(V)
-    planted = lambda x, h: jaxpr_as_fun(rewritten.jaxpr)(x, h)[0]  # noqa: E731
+    planted = lambda x, h: stx.plant(f)({"h": h}, x)  # noqa: E731
     assert_tree_allclose(jax.grad(planted)(V, V * 3), jnp.zeros(3))
     assert_tree_allclose(jax.grad(planted, argnums=1)(V, V * 3), -jnp.sin(V * 3))
     assert_tree_allclose(jax.grad(f)(V), -jnp.sin(V * 3) * 3)  # unplanted: the custom rule
@@ -223,11 +200,9 @@ def test_a_planted_custom_derivative_is_differentiated_as_written():
 def test_under_vmap_a_planted_value_comes_in_per_example():
     # A scan under an inner vmap is rebatched; the planted value has the batch axis first.
     xs = jnp.stack([V, V * 2])
-    rewritten, call = plant(jax.vmap(_scan), {"h"})(xs)
-    (meta,) = rewritten.ins
-    assert meta.batch_ndim == 1
     values = jnp.stack([V * 3, V * 5])
-    (carry, ys), (h,) = call(values)
-    expected = jax.vmap(_scan_by_hand)(xs, values)
-    assert_tree_allclose((carry, ys), expected)
-    assert_tree_allclose(h, values)
+    out = stx.plant(jax.vmap(_scan))({"h": values}, xs)
+    assert_tree_allclose(out, jax.vmap(_scan_by_hand)(xs, values))
+    # An unbatched value is broadcast over the batch.
+    out = stx.plant(jax.vmap(_scan))({"h": V * 3}, xs)
+    assert_tree_allclose(out, jax.vmap(_scan_by_hand, in_axes=(0, None))(xs, V * 3))

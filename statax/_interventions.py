@@ -1,0 +1,135 @@
+"""Interventions: `plant` puts values into marked places; `grad_inters` differentiates with
+respect to them. Both are `pull`'s trace and rewrite with a plant in force (see `_plant`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._plant import Add, Planting, is_occurrence
+from ._pull import _Pulled, pull
+
+__all__ = ["grad_inters", "plant"]
+
+
+class _Planted(eqx.Module):
+    fn: Callable
+
+    def __call__(self, values: Mapping[str, Any], *args, **kwargs):
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                "stx.plant(fn)(values, *args) takes a dict of values first, keyed as pull "
+                f"returns them; got {type(values).__name__}."
+            )
+        pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values))
+        return pulled.call(args, kwargs, values)[0]
+
+
+def plant(fn: Callable) -> Callable:
+    """Transform `fn` to run with values planted at its marks.
+
+    `plant(fn)(values, *args, **kwargs)` returns `fn(*args, **kwargs)`, computed with each
+    marked value that `values` names replaced. Everything downstream uses the replacement;
+    work that only fed a replaced value is dropped from the compiled program.
+
+    Args:
+        fn: any callable, as for `pull`.
+
+    Returns:
+        A callable `(values, *args, **kwargs) -> out`. `values` maps keys, as `pull` returns
+        them (`"h_2"`: the third occurrence of `h`; `"h"`: every occurrence), to:
+
+        * an array (or a pytree of the marked value's structure): the marked value becomes
+          it. Arrays are traced, so new values do not retrace. For a key stacked by a `scan`,
+          it has the stacked shape, one row per iteration; in a `while_loop`, one iteration's
+          shape, used in every iteration; under an inner `vmap`, the batch axis first (an
+          unbatched value is broadcast);
+        * a function of the old value (a hook, compared by identity: define it once), applied
+          in every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d`
+          steers.
+
+        In `cond`/`switch`, a replacement applies in the branch that runs. Under an inner
+        `grad`, the primal is replaced and derivatives flow through the replacement. Inside a
+        custom-derivative function, a planted value changes the function, so it is
+        differentiated as written rather than by its custom rule.
+
+    Raises:
+        PlantError: a key that names no mark (the error lists the marks, with their sites), a
+            replacement or hook result of the wrong shape, dtype or structure, or a name saved
+            with `reduce=`.
+
+    Example:
+        >>> import jax.numpy as jnp, statax as stx
+        >>> def f(x):
+        ...     h = stx.save_inter(x * 2, name="h")
+        ...     return h + 1
+        >>> stx.plant(f)({"h_0": jnp.float32(10.0)}, jnp.float32(1.0))
+        Array(11., dtype=float32)
+        >>> stx.plant(f)({"h": lambda v: v * 0}, jnp.float32(1.0))
+        Array(1., dtype=float32)
+    """
+    if not callable(fn):
+        raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
+    return _Planted(fn)
+
+
+def grad_inters(
+    fn: Callable,
+    argnums: int | Sequence[int] | None = None,
+    *,
+    has_aux: bool = False,
+    only: Any = None,
+) -> Callable:
+    """Transform a scalar-valued `fn` to return its value and its gradient with respect to
+    every marked intermediate.
+
+    The gradient with respect to an intermediate is that with respect to a perturbation added
+    where it is marked (zero, so the value is `fn`'s own): `d fn / d h_0` for key `"h_0"`.
+
+    Args:
+        fn: a function returning a scalar (or `(scalar, aux)` with `has_aux`).
+        argnums: also return the ordinary gradients with respect to these positional
+            arguments, as `jax.grad(fn, argnums)` does.
+        has_aux: `fn` returns `(scalar, aux)`; the value is then that pair.
+        only: differentiate with respect to these marks only (as `pull`'s `only=`).
+
+    Returns:
+        A callable returning `(value, inter_grads)`, or `(value, inter_grads, grads)` with
+        `argnums`. `inter_grads` has `pull`'s keys and shapes (stacked in a `scan`, per
+        example under a `vmap`) for every unreduced intermediate of a floating dtype.
+
+    Example:
+        >>> import jax.numpy as jnp, statax as stx
+        >>> def loss(w, x):
+        ...     h = stx.save_inter(w * x, name="h")
+        ...     return jnp.sum(h**2)
+        >>> stx.grad_inters(loss)(jnp.float32(3.0), jnp.arange(3.0))
+        (Array(45., dtype=float32), {'h_0': Array([ 0.,  6., 12.], dtype=float32)})
+    """
+
+    def run(*args, **kwargs):
+        shapes = eqx.filter_eval_shape(pull(fn, only=only), *args, **kwargs)[1]
+        zeros = {
+            key: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+            for key, shape in shapes.items()
+            if is_occurrence(key)
+            and all(jnp.issubdtype(s.dtype, jnp.inexact) for s in jax.tree.leaves(shape))
+        }
+
+        def of(perturbations, *args):
+            values = {key: Add(d) for key, d in perturbations.items()}
+            return _Planted(fn)(values, *args, **kwargs)
+
+        if argnums is None:
+            return jax.value_and_grad(of, has_aux=has_aux)(zeros, *args)
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        value, (inter_grads, *grads) = jax.value_and_grad(
+            of, argnums=(0, *(i + 1 for i in nums)), has_aux=has_aux
+        )(zeros, *args)
+        return value, inter_grads, grads[0] if isinstance(argnums, int) else tuple(grads)
+
+    return run
