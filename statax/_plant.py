@@ -117,15 +117,27 @@ def _kinds(pairs) -> str:
     return "(" + ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in pairs) + ")"
 
 
-def feed(ins: tuple[StateMeta, ...], avals: list, values: Mapping[str, Any], planting) -> list:
+def feed(
+    ins: tuple[StateMeta, ...],
+    avals: list,
+    values: Mapping[str, Any],
+    planting: Planting,
+    outs: tuple[StateMeta, ...],
+) -> list:
     """The flat values a rewritten jaxpr takes in, for `plant`'s `values`: per planted
-    occurrence, its choice (a constant) and its replacement."""
+    occurrence, its choice (a constant) and its replacement. `outs` (the marks `pull` finds)
+    name the marks there are, for an unknown key's error."""
     keys = _keys(ins)
-    known = {key: meta for key, meta in zip(keys, ins, strict=True)}
+    known = dict(zip(keys, ins, strict=True))
     names = {meta.name for meta in ins}
     for key in values:
         if key not in known and key not in names:
-            sites = "\n".join(f"  {k}: {m.location}" for k, m in known.items())
+            marks = dict(zip(_keys(outs), outs, strict=True))
+            sites = "\n".join(
+                f"  {k if m.reduce is None else m.name}: {m.location}"
+                + ("" if m.reduce is None else f" (reduce={m.reduce!r}: not plantable)")
+                for k, m in marks.items()
+            )
             raise PlantError(
                 f"stx.plant: no marked value {key!r}. The marks it can plant are:\n"
                 f'{sites or "  (none)"}\nUse a key as pull returns it ("h_2": the third '

@@ -122,7 +122,7 @@ class _Pulled(eqx.Module):
             if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
                 _store(root, key, entry)
         if values is not None:  # `plant`: its values, checked against the marks
-            fed = _plant.feed(entry.ins, entry.in_avals, values, self.planting)
+            fed = _plant.feed(entry.ins, entry.in_avals, values, self.planting, entry.metas)
         else:  # within an enclosing plant: what it plants comes in from outside
             fed = take(entry.ins, entry.in_avals)
         if self.summarize is not None:
