@@ -567,21 +567,13 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
         save_inter_p.bind(*part, meta=meta, status=COLLECTING)
 
 
-def take(metas: Sequence[StateMeta], avals: Sequence, like: Sequence | None = None) -> list:
+def take(metas: Sequence[StateMeta], avals: Sequence) -> list:
     """Values fed in from outside (flat leaves of `avals`, described by `metas`): in an exposer,
     what the primitive's rewritten jaxprs take in; in a planted mark, its replacement. The
-    inverse of `mark`: each binds a placeholder mark that the walk turns into an input. With
-    `like` (one array per leaf), each placeholder varies over the same manual mesh axes as its
-    array (inside a `shard_map`)."""
+    inverse of `mark`: each binds a placeholder mark that the walk turns into an input."""
     leaves: list = []
-    like = iter(like) if like is not None else None
     for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
-        zeros = [
-            jnp.zeros(a.shape, a.dtype)
-            if like is None
-            else jnp.zeros_like(next(like), shape=a.shape, dtype=a.dtype)
-            for a in part
-        ]
+        zeros = [jnp.zeros(a.shape, a.dtype) for a in part]
         leaves.extend(save_inter_p.bind(*zeros, meta=meta, status=INPUT))
     return leaves
 

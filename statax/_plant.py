@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import PlantError
-from ._interpreter import take
 from ._meta import ARRAY, StateMeta
+from ._primitive import INPUT, save_inter_p
 
 __all__ = ["Add", "Planting", "feed", "is_occurrence"]
 
@@ -79,17 +79,18 @@ class Planting:
                 "plant a name saved without reduce=."
             )
         hooked = [_hooked(meta, hook, value, arrays) for hook in self.hooks_of(meta.name)]
-        choice, *replacement = take(
-            [in_meta(meta)], [_INT, *map(jax.typeof, arrays)], like=[arrays[0], *arrays]
+        # The placeholder reads the marked arrays (behind stop_gradient: what comes in is a
+        # constant to derivatives), so that it stays where the mark is: a placeholder of
+        # constants alone would be hoisted out of a loop body as loop-invariant.
+        operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
+        choice, *replacement = save_inter_p.bind(
+            *map(jax.lax.stop_gradient, operands), meta=in_meta(meta), status=INPUT
         )
         out = []
         for i, (x, r) in enumerate(zip(arrays, replacement, strict=True)):
             added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
             out.append(jax.lax.select_n(choice, x, r, added, *(h[i] for h in hooked)))
         return out
-
-
-_INT = jax.ShapeDtypeStruct((), np.int32)
 
 
 def in_meta(meta: StateMeta) -> StateMeta:

@@ -172,14 +172,8 @@ def _batch(axis_size, vals, dims, **params):
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
     # unbatched (as `jacfwd`'s primal is). A value fed in from outside (`INPUT`) is per example:
     # it comes in with the batch axis at 0.
-    if params["status"] == INPUT:
-        meta = params["meta"]
-        outs = save_inter_p.bind(
-            *(jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) for v in vals),
-            **dict(params, meta=dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1)),
-        )
-        return outs, [0] * len(outs)
-    if all(d is None for d in dims):
+    fed = params["status"] == INPUT
+    if not fed and all(d is None for d in dims):
         save_inter_p.bind(*vals, **params)
         return vals, dims
     moved = [
@@ -187,9 +181,10 @@ def _batch(axis_size, vals, dims, **params):
         for v, d in zip(vals, dims, strict=True)
     ]
     meta = params["meta"]
-    meta = dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1)
-    save_inter_p.bind(*moved, **dict(params, meta=meta))
-    return vals, dims
+    outs = save_inter_p.bind(
+        *moved, **dict(params, meta=dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1))
+    )
+    return (outs, [0] * len(outs)) if fed else (vals, dims)
 
 
 _compat.register_batching_rule(save_inter_p, _batch)
@@ -208,6 +203,8 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     n = len(eqn.outvars)
     if any(unks_in):
         return None, eqn, [True] * n, [True] * n, residuals
+    if eqn.params["status"] == INPUT:  # a value fed in: kept for the backward pass, not rerun
+        return eqn, None, [False] * n, [False] * n, []
     params = dict(eqn.params, status=INERT)
     _, effects = save_inter_p.abstract_eval(*[x.aval for x in eqn.invars], **params)
     staged = eqn.replace(params=params, effects=effects)

@@ -48,6 +48,7 @@ def test_api_page_documents_every_public_name():
 
     page = (ROOT / "docs" / "api.md").read_text()
     documented = set(re.findall(r"^::: (\S+)$", page, flags=re.M))
+    documented |= set(re.findall(r"^\| `(statax\.\S+)` \|", page, flags=re.M))  # constants
     public = {f"statax.{n}" for n in stx.__all__ if n != "extend"}
     public |= {f"statax.extend.{n}" for n in statax.extend.__all__}
     assert public - documented == set()

@@ -206,3 +206,37 @@ def test_under_vmap_a_planted_value_comes_in_per_example():
     # An unbatched value is broadcast over the batch.
     out = stx.plant(jax.vmap(_scan))({"h": V * 3}, xs)
     assert_tree_allclose(out, jax.vmap(_scan_by_hand, in_axes=(0, None))(xs, V * 3))
+
+
+def _total(tree):
+    return sum(jnp.sum(x) for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_planted_values_under_vmap_and_grad_in_both_orders(case):
+    f, by_hand, value, x = CASES[case]
+    xs, values = jnp.stack([x, x * 0.5]), jnp.stack([value, value * -2.0])
+    expected = jax.vmap(by_hand)(xs, values)
+    # vmap(plant(f)) and plant(vmap(f)), the values batched along with the inputs.
+    outer = jax.vmap(lambda x, v: stx.plant(f)({"h": v}, x))(xs, values)
+    inner = stx.plant(jax.vmap(f))({"h": values}, xs)
+    for got in (outer, inner):
+        assert_tree_allclose(jax.tree.leaves(got), jax.tree.leaves(expected), rtol=1e-5)
+    if case.startswith("while"):
+        return  # JAX cannot reverse-differentiate a while loop
+    # grad(plant(f)), in the input and the value; plant(grad(f)): the value is a constant there.
+    planted = lambda x, v: _total(stx.plant(f)({"h": v}, x))  # noqa: E731
+    reference = lambda x, v: _total(by_hand(x, v))  # noqa: E731
+    assert_tree_allclose(
+        jax.grad(planted, argnums=(0, 1))(x, value),
+        jax.grad(reference, argnums=(0, 1))(x, value),
+        rtol=1e-5,
+    )
+    inner = stx.plant(jax.grad(lambda x: _total(f(x))))({"h_0": value}, x)
+    if case.startswith("custom"):
+        # JAX applies a custom rule while tracing the inner grad, before plant sees the
+        # function: the rule gives the derivative, at the original primal (a linear solve's
+        # transposed solve is a second occurrence, h_1, left as it is here).
+        assert_tree_allclose(inner, jax.grad(lambda x: _total(f(x)))(x), rtol=1e-5)
+    else:
+        assert_tree_allclose(inner, jax.grad(reference)(x, value), rtol=1e-5)
