@@ -240,7 +240,7 @@ def _round_trippable(node):
 
 
 @settings(
-    max_examples=30,
+    max_examples=15,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
