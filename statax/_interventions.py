@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ._plant import Add, Planting, is_occurrence
-from ._pull import _Pulled, pull
+from ._pull import _Pulled, call_pulled, pull
 
 __all__ = ["grad_inters", "plant"]
 
@@ -26,7 +26,7 @@ class _Planted(eqx.Module):
                 f"returns them; got {type(values).__name__}."
             )
         pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values))
-        return pulled.call(args, kwargs, values)[0]
+        return call_pulled(pulled, args, kwargs, values)[0]
 
 
 def plant(fn: Callable) -> Callable:

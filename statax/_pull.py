@@ -37,6 +37,7 @@ class _Entry(NamedTuple):
     summarized: dict  # summarize function -> compiled evaluation that applies it
     ins: tuple[StateMeta, ...] = ()  # what the rewritten jaxpr takes in (planted marks)
     in_avals: tuple = ()
+    plans: dict | None = None  # ran -> how the flat intermediates become the named dict
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -82,54 +83,66 @@ class _Pulled(eqx.Module):
             return None
 
     def __call__(self, *args, **kwargs):
-        return self.call(args, kwargs)
+        return call_pulled(self, args, kwargs)
 
-    def call(self, args, kwargs, values=None):
-        """`(out, intermediates)`; for `plant`, with `values` planted."""
-        if not self.enabled:
-            return self.fn(*args, **kwargs), {}
-        root, tree, call = _split_callable(self.fn)
-        is_node = _nnx.node_test()  # None unless Flax NNX is imported
-        leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
-        if is_node is not None and any(map(is_node, leaves)):
-            # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
-            packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
-            leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
-            (out, state), inters = self._run(root, _nnx.calling(call), leaves, treedef, values)
-            _nnx.update(nodes, state)
-            return out, inters
-        return self._run(root, call, leaves, treedef, values)
 
-    def _run(self, root, call, leaves, treedef, values):
-        if self.planting is None:  # (within an enclosing plant, its planting stays in force)
-            return self._run_planted(root, call, leaves, treedef, values)
-        with _compat.PLANTING(self.planting):
-            return self._run_planted(root, call, leaves, treedef, values)
+# The work of a call is in functions, not methods: each method access on an `eqx.Module` builds
+# a bound-method module, which costs more than the rest of a cached call.
 
-    def _run_planted(self, root, call, leaves, treedef, values):
-        traced = _traced_mask(leaves, treedef)
-        dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
-        key = (
-            _compat.trace_context(),  # as jax.jit: no result traced under other flags
-            self.only,
-            treedef,
-            tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
-            tuple(map(jax.typeof, dynamic)),
-        )
-        entry = _lookup(root, key)
-        if entry is None:
-            entry = _trace(call, leaves, treedef, traced, self.only)
-            if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
-                _store(root, key, entry)
-        if values is not None:  # `plant`: its values, checked against the marks
-            fed = _plant.feed(entry.ins, entry.in_avals, values, self.planting, entry.metas)
-        else:  # within an enclosing plant: what it plants comes in from outside
-            fed = take(entry.ins, entry.in_avals)
-        if self.summarize is not None:
-            return _summarized(entry, self.summarize, self.ran)(*dynamic, *fed)
-        # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
-        remark = self.planting is not None and bool(_compat.PULLING.value)
-        return _evaluate(entry, [*dynamic, *fed], self.ran, remark)
+
+def call_pulled(pulled: _Pulled, args, kwargs, values=None):
+    """`pulled(*args, **kwargs)`: `(out, intermediates)`; for `plant`, with `values` planted."""
+    fn = pulled.fn
+    if not pulled.enabled:
+        return fn(*args, **kwargs), {}
+    root, tree, call = _split_callable(fn)
+    is_node = _nnx.node_test()  # None unless Flax NNX is imported
+    leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+    if is_node is not None and any(map(is_node, leaves)):
+        # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
+        packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
+        leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
+        (out, state), inters = _run(pulled, root, _nnx.calling(call), leaves, treedef, values)
+        _nnx.update(nodes, state)
+        return out, inters
+    return _run(pulled, root, call, leaves, treedef, values)
+
+
+def _run(pulled, root, call, leaves, treedef, values):
+    planting = pulled.planting
+    if planting is None:  # (within an enclosing plant, its planting stays in force)
+        return _run_planted(pulled, root, call, leaves, treedef, values)
+    with _compat.PLANTING(planting):
+        return _run_planted(pulled, root, call, leaves, treedef, values)
+
+
+def _run_planted(pulled, root, call, leaves, treedef, values):
+    only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
+    traced = _traced_mask(leaves, treedef)
+    dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
+    key = (
+        _compat.trace_context(),  # as jax.jit: no result traced under other flags
+        only,
+        treedef,
+        tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
+        tuple(map(jax.typeof, dynamic)),
+    )
+    entry = _lookup(root, key)
+    if entry is None:
+        entry = _trace(call, leaves, treedef, traced, only)
+        if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
+            _store(root, key, entry)
+    if values is not None:  # `plant`: its values, checked against the marks
+        fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)
+    elif entry.ins:  # within an enclosing plant: what it plants comes in from outside
+        fed = take(entry.ins, entry.in_avals)
+    else:
+        fed = []
+    if summarize is not None:
+        return _summarized(entry, summarize, ran)(*dynamic, *fed)
+    # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
+    remark = planting is not None and bool(_compat.PULLING.value)
+    return _evaluate(entry, [*dynamic, *fed], ran, remark)
 
 
 def _evaluate(
@@ -143,7 +156,7 @@ def _evaluate(
         for i, dtype in entry.literals:
             flat[i] = jnp.asarray(flat[i], dtype)
     n = entry.num_out
-    inters = _name(entry.metas, flat[n:], ran)
+    inters = _name(entry.metas, flat[n:], ran, entry.plans)
     return _unflatten_out(entry, flat[:n]), inters
 
 
@@ -250,7 +263,7 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     )
     in_avals = tuple(new.in_avals[len(dynamic) :])
     n = len(closed.jaxpr.outvars)
-    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals)
+    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {})
 
 
 def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
@@ -259,32 +272,51 @@ def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
     return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
 
 
-def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False) -> dict[str, Any]:
+def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False, plans=None) -> dict:
     """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
     reduced name is one entry, keyed by the name itself. With `ran`, a `"stack"` or
-    `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran."""
-    counts: dict[str, int] = {}
+    `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran. The keys are
+    worked out once per entry (`plans`)."""
+    plan = None if plans is None else plans.get(ran)
+    if plan is None:
+        plan = _plan(metas, ran)
+        if plans is not None:
+            plans[ran] = plan
     inters: dict[str, Any] = {}
+    for key, meta, start, stop, kind in plan:
+        leaves = flat[start:stop]
+        if kind == "value":
+            inters[key] = meta.unflatten(leaves)
+        elif kind == "final":
+            inters[key] = meta.unflatten(_reduce.finalize(meta, leaves))
+        else:
+            inters[key] = meta.unflatten(_reduce.ran(meta, leaves))
+    return inters
+
+
+def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
+    """`[(Key, meta, start, stop, kind)]`: where each entry of the result comes from."""
+    counts: dict[str, int] = {}
     sites: dict[str, StateMeta] = {}
+    plan = []
     start = 0
     for meta in metas:
         stop = start + meta.num_arrays
-        leaves = flat[start:stop]
-        start = stop
         if meta.reduce is None:
             n = counts.get(meta.name, 0)
             counts[meta.name] = n + 1
-            entries = [(f"{meta.name}_{n}", meta.unflatten(leaves))]
+            entries = [(f"{meta.name}_{n}", "value")]
         else:
-            entries = [(meta.name, meta.unflatten(_reduce.finalize(meta, leaves)))]
+            entries = [(meta.name, "final")]
             if ran and _reduce.stacked(meta):
-                entries.append((meta.name + ".ran", meta.unflatten(_reduce.ran(meta, leaves))))
-        for key, value in entries:
+                entries.append((meta.name + ".ran", "ran"))
+        for key, kind in entries:
             if key in sites:
                 raise KeyCollisionError(key, sites[key], meta)
             sites[key] = meta
-            inters[Key(key, meta.location)] = value
-    return inters
+            plan.append((Key(key, meta.location), meta, start, stop, kind))
+        start = stop
+    return plan
 
 
 def pull(
