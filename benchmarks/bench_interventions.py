@@ -13,15 +13,9 @@ Run: `python benchmarks/bench_interventions.py` (about a minute on 2 CPU cores).
 import jax
 import jax.numpy as jnp
 from _timing import interleaved_ratio, report
+from bench_core import BATCH, DEPTH, WIDTH, block, init
 
 import statax as stx
-
-DEPTH, WIDTH, BATCH = 16, 512, 256
-
-
-def init(key):
-    keys = jax.random.split(key, DEPTH)
-    return [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys]
 
 
 def loss(params, x):
@@ -40,10 +34,6 @@ def patched_by_hand(h, params, x):
     for i, w in enumerate(params):
         x = h if i == DEPTH // 2 else jnp.tanh(x @ w)
     return jnp.mean(x**2)
-
-
-def block(tree):
-    jax.block_until_ready(tree)
 
 
 def main():

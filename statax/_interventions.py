@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._plant import Add, Planting, is_occurrence
+from ._plant import Add, Planting
 from ._pull import _Pulled, call_pulled, pull
 
 __all__ = ["grad_inters", "plant"]
@@ -116,7 +116,7 @@ def grad_inters(
         zeros = {
             key: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
             for key, shape in shapes.items()
-            if is_occurrence(key)
+            if key.reduce is None  # one occurrence, not a reduced name
             and all(jnp.issubdtype(s.dtype, jnp.inexact) for s in jax.tree.leaves(shape))
         }
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["ARRAY", "StateMeta", "Static", "hashable"]
+__all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of"]
 
 
 class _ArraySlot:
@@ -113,3 +113,18 @@ class StateMeta:
 
     def __repr__(self) -> str:
         return f"StateMeta(name={self.name!r}, arrays={self.num_arrays}, at {self.location})"
+
+
+def keys_of(metas: Sequence[StateMeta]) -> list[str]:
+    """The key `pull` gives each intermediate: `f"{name}_{n}"`, `n` counting the name's
+    occurrences in order; a reduced name is keyed by itself."""
+    counts: dict[str, int] = {}
+    keys = []
+    for meta in metas:
+        if meta.reduce is not None:
+            keys.append(meta.name)
+            continue
+        n = counts.get(meta.name, 0)
+        counts[meta.name] = n + 1
+        keys.append(f"{meta.name}_{n}")
+    return keys

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import PlantError
-from ._meta import ARRAY, StateMeta
+from ._meta import ARRAY, StateMeta, keys_of
 from ._primitive import INPUT, save_inter_p
 
-__all__ = ["Add", "Planting", "feed", "is_occurrence"]
+__all__ = ["Add", "Planting", "feed"]
 
 KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
 _OCCURRENCE = re.compile(r"(.*)_(\d+)")
@@ -128,16 +128,15 @@ def feed(
     """The flat values a rewritten jaxpr takes in, for `plant`'s `values`: per planted
     occurrence, its choice (a constant) and its replacement. `outs` (the marks `pull` finds)
     name the marks there are, for an unknown key's error."""
-    keys = _keys(ins)
+    keys = keys_of(ins)
     known = dict(zip(keys, ins, strict=True))
     names = {meta.name for meta in ins}
     for key in values:
         if key not in known and key not in names:
-            marks = dict(zip(_keys(outs), outs, strict=True))
             sites = "\n".join(
-                f"  {k if m.reduce is None else m.name}: {m.location}"
+                f"  {k}: {m.location}"
                 + ("" if m.reduce is None else f" (reduce={m.reduce!r}: not plantable)")
-                for k, m in marks.items()
+                for k, m in zip(keys_of(outs), outs, strict=True)
             )
             raise PlantError(
                 f"stx.plant: no marked value {key!r}. The marks it can plant are:\n"
@@ -161,21 +160,6 @@ def feed(
         out.append(np.full(choice_aval.shape, code, np.int32))
         out.extend(_replacement(key, meta, replacement, value_avals))
     return out
-
-
-def is_occurrence(key: str) -> bool:
-    """Whether a key of `pull`'s result is one occurrence (`"h_2"`), not a reduced name."""
-    return _OCCURRENCE.fullmatch(key) is not None
-
-
-def _keys(ins) -> list[str]:
-    counts: dict[str, int] = {}
-    keys = []
-    for meta in ins:
-        n = counts.get(meta.name, 0)
-        counts[meta.name] = n + 1
-        keys.append(f"{meta.name}_{n}")
-    return keys
 
 
 def _replacement(key, meta, replacement, avals) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -19,7 +20,7 @@ from jax.extend import core as jex
 from . import _compat, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
 from ._interpreter import mark, on_forget, pull_jaxpr, selecting, take
-from ._meta import StateMeta, hashable
+from ._meta import StateMeta, hashable, keys_of
 
 __all__ = ["pull"]
 
@@ -35,9 +36,9 @@ class _Entry(NamedTuple):
     num_out: int
     literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
     summarized: dict  # summarize function -> compiled evaluation that applies it
-    ins: tuple[StateMeta, ...] = ()  # what the rewritten jaxpr takes in (planted marks)
-    in_avals: tuple = ()
-    plans: dict | None = None  # ran -> how the flat intermediates become the named dict
+    ins: tuple[StateMeta, ...]  # what the rewritten jaxpr takes in (planted marks)
+    in_avals: tuple
+    plans: dict  # ran -> how the flat intermediates become the named dict
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -109,15 +110,25 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
 
 
 def _run(pulled, root, call, leaves, treedef, values):
-    planting = pulled.planting
-    if planting is None:  # (within an enclosing plant, its planting stays in force)
-        return _run_planted(pulled, root, call, leaves, treedef, values)
-    with _compat.PLANTING(planting):
-        return _run_planted(pulled, root, call, leaves, treedef, values)
-
-
-def _run_planted(pulled, root, call, leaves, treedef, values):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
+    # `plant` traces with its planting in force (within an enclosing plant, that one stays).
+    with contextlib.nullcontext() if planting is None else _compat.PLANTING(planting):
+        entry, dynamic = _entry(root, call, leaves, treedef, only)
+    if values is not None:  # `plant`: its values, checked against the marks
+        fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)
+    elif entry.ins:  # within an enclosing plant: what it plants comes in from outside
+        fed = take(entry.ins, entry.in_avals)
+    else:
+        fed = []
+    if summarize is not None:
+        return _summarized(entry, summarize, ran)(*dynamic, *fed)
+    # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
+    remark = planting is not None and bool(_compat.PULLING.value)
+    return _evaluate(entry, [*dynamic, *fed], ran, remark)
+
+
+def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
+    """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced = _traced_mask(leaves, treedef)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
     key = (
@@ -132,17 +143,7 @@ def _run_planted(pulled, root, call, leaves, treedef, values):
         entry = _trace(call, leaves, treedef, traced, only)
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
             _store(root, key, entry)
-    if values is not None:  # `plant`: its values, checked against the marks
-        fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)
-    elif entry.ins:  # within an enclosing plant: what it plants comes in from outside
-        fed = take(entry.ins, entry.in_avals)
-    else:
-        fed = []
-    if summarize is not None:
-        return _summarized(entry, summarize, ran)(*dynamic, *fed)
-    # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
-    remark = planting is not None and bool(_compat.PULLING.value)
-    return _evaluate(entry, [*dynamic, *fed], ran, remark)
+    return entry, dynamic
 
 
 def _evaluate(
@@ -176,18 +177,21 @@ def _summarized(entry: _Entry, summarize: Callable, ran: bool) -> Callable:
 
 class Key(str):
     """A key of the dict `pull` returns: the string `f"{name}_{n}"` (or the name of a reduced
-    entry), which also knows where its value was saved, `key.location` (`"file.py:line"`). It
-    travels with the result: through `dict(inters)`, `summarize=`, and JAX transformations."""
+    entry), which also knows where its value was saved, `key.location` (`"file.py:line"`), and
+    its `save_inter`'s `reduce` mode (`key.reduce`, `None` for one occurrence). It travels with
+    the result: through `dict(inters)`, `summarize=`, and JAX transformations."""
 
     location: str
+    reduce: str | None
 
-    def __new__(cls, key: str, location: str) -> Key:
+    def __new__(cls, key: str, location: str, reduce: str | None = None) -> Key:
         self = super().__new__(cls, key)
         self.location = location
+        self.reduce = reduce
         return self
 
     def __reduce__(self):
-        return (Key, (str(self), self.location))
+        return (Key, (str(self), self.location, self.reduce))
 
 
 def origins(inters: dict) -> dict[str, str]:
@@ -272,16 +276,14 @@ def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
     return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
 
 
-def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False, plans=None) -> dict:
+def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) -> dict:
     """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
     reduced name is one entry, keyed by the name itself. With `ran`, a `"stack"` or
     `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran. The keys are
     worked out once per entry (`plans`)."""
-    plan = None if plans is None else plans.get(ran)
+    plan = plans.get(ran)
     if plan is None:
-        plan = _plan(metas, ran)
-        if plans is not None:
-            plans[ran] = plan
+        plan = plans[ran] = _plan(metas, ran)
     inters: dict[str, Any] = {}
     for key, meta, start, stop, kind in plan:
         leaves = flat[start:stop]
@@ -296,25 +298,19 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool = False, plans=N
 
 def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
     """`[(Key, meta, start, stop, kind)]`: where each entry of the result comes from."""
-    counts: dict[str, int] = {}
     sites: dict[str, StateMeta] = {}
     plan = []
     start = 0
-    for meta in metas:
+    for key, meta in zip(keys_of(metas), metas, strict=True):
         stop = start + meta.num_arrays
-        if meta.reduce is None:
-            n = counts.get(meta.name, 0)
-            counts[meta.name] = n + 1
-            entries = [(f"{meta.name}_{n}", "value")]
-        else:
-            entries = [(meta.name, "final")]
-            if ran and _reduce.stacked(meta):
-                entries.append((meta.name + ".ran", "ran"))
-        for key, kind in entries:
-            if key in sites:
-                raise KeyCollisionError(key, sites[key], meta)
-            sites[key] = meta
-            plan.append((Key(key, meta.location), meta, start, stop, kind))
+        entries = [(key, "value" if meta.reduce is None else "final")]
+        if ran and meta.reduce is not None and _reduce.stacked(meta):
+            entries.append((meta.name + ".ran", "ran"))
+        for name, kind in entries:
+            if name in sites:
+                raise KeyCollisionError(name, sites[name], meta)
+            sites[name] = meta
+            plan.append((Key(name, meta.location, meta.reduce), meta, start, stop, kind))
         start = stop
     return plan
 

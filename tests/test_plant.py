@@ -284,3 +284,12 @@ def test_grad_inters_stacked_in_scans_and_per_example_under_vmap():
     for i in range(3):
         _, one = stx.grad_inters(loss)(W, XS[i])
         assert_tree_allclose(grads["h_0"][i], one["h_0"], rtol=1e-5)
+
+
+def test_grad_inters_leaves_reduced_names_out_whatever_they_look_like():
+    def f(x):
+        stx.save_inter(x, name="t_1", reduce="sum")  # a reduced name shaped like a key
+        return jnp.sum(stx.save_inter(x * 2, name="h") ** 2)
+
+    assert_tree_allclose(stx.grad_inters(f)(X), (f(X), {"h_0": 4 * X}))
+    assert [key.reduce for key in stx.pull(f)(X)[1]] == ["sum", None]

@@ -13,6 +13,8 @@ in mesh order. A planted value comes in the same way: one global array of shape
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
@@ -40,9 +42,7 @@ def _shard_map_exposer(*args, **eqn_params):
     metas = _merged_metas(raw_metas, pulled.outvars[len(jaxpr.outvars) :])
     num_out = len(jaxpr.outvars)
     axes = tuple(name for name in mesh.axis_names if name in manual)
-    num_shards = 1
-    for name in axes:
-        num_shards *= mesh.shape[name]
+    num_shards = math.prod(mesh.shape[name] for name in axes)
 
     # Where a vmap inside batched a mark, its batch axes come first and the shard axis after.
     # A name reduced elementwise combines over the shards, with collectives: one value.
