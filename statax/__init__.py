@@ -14,6 +14,8 @@ from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
 from ._errors import PlantError as PlantError
 from ._errors import ReduceMismatchError as ReduceMismatchError
+from ._errors import StateError as StateError
+from ._errors import StatefulWarning as StatefulWarning
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._interventions import grad_inters as grad_inters
 from ._interventions import plant as plant
@@ -28,6 +30,9 @@ from ._sinks import plot_exponent_histogram as plot_exponent_histogram
 from ._sinks import plot_heatmap as plot_heatmap
 from ._sinks import plot_stat as plot_stat
 from ._sinks import to_dataframe as to_dataframe
+from ._stateful import get_state as get_state
+from ._stateful import set_state as set_state
+from ._stateful import stateful as stateful
 from ._stats import stats as stats
 from ._stats import tree_stats as tree_stats
 from ._track import Tracker as Tracker
@@ -44,12 +49,15 @@ __all__ = [
     "KeyCollisionError",
     "PlantError",
     "ReduceMismatchError",
+    "StateError",
     "StateMeta",
+    "StatefulWarning",
     "TensorBoardWriter",
     "Tracker",
     "UnhandledPrimitiveError",
     "describe",
     "extend",
+    "get_state",
     "grad_inters",
     "plant",
     "plot_exponent_histogram",
@@ -59,6 +67,8 @@ __all__ = [
     "records",
     "save_inter",
     "scope",
+    "set_state",
+    "stateful",
     "stats",
     "to_dataframe",
     "tree_stats",

@@ -37,6 +37,8 @@ __all__ = [
     "SCOPE",
     "SELECTION",
     "SHARD_MAP_PRIMITIVE",
+    "STATEFUL",
+    "STATE_EFFECT",
     "UNSPECIFIED_SHARDING",
     "LinearSolveParts",
     "ScanParts",
@@ -62,6 +64,7 @@ __all__ = [
     "new_equation",
     "register_batching_rule",
     "register_jvp_rule",
+    "register_lowering",
     "register_lowering_identity",
     "register_remat_partial_eval_rule",
     "register_transpose_rule",
@@ -110,7 +113,17 @@ class SaveEffect(effects_lib.Effect):
         return "SaveEffect"
 
 
+class StateEffect(effects_lib.Effect):
+    """Carried by `get_state` and `set_state` (which exist only while `stateful` traces), for
+    the reason `SaveEffect` is: no transformation may drop a read or a write of state.
+    `stateful` replaces every one of them, so the programs it returns carry no effect."""
+
+    def __repr__(self) -> str:
+        return "StateEffect"
+
+
 SAVE_EFFECT = SaveEffect()
+STATE_EFFECT = StateEffect()
 for _allowed in (
     effects_lib.control_flow_allowed_effects,
     effects_lib.custom_derivatives_allowed_effects,
@@ -119,6 +132,7 @@ for _allowed in (
     effects_lib.partial_eval_kept_effects,
 ):
     _allowed.add_type(SaveEffect)
+    _allowed.add_type(StateEffect)
 
 # Whether a `pull` is tracing. Part of JAX's trace context, so that `jax.jit` caches the traces
 # it makes inside a `pull` (whose marks carry `SaveEffect`) apart from the others.
@@ -159,6 +173,17 @@ SELECTION = jax_config.string_or_object_state(
 )
 
 
+# The state a `stateful` traces with (a `statax._stateful.Given`: the names passed in and the
+# kinds of their values), or None outside one; part of the trace context, so that a function
+# `jax.jit` traced for one kind of state is traced again for another.
+STATEFUL = jax_config.string_or_object_state(
+    "statax_stateful",
+    None,
+    "Internal to statax: the state passed to the statax.stateful tracing.",
+    include_in_trace_context=True,
+)
+
+
 def trace_context() -> tuple:
     """Everything in JAX's configuration that changes what tracing produces (x64, disable_jit,
     matmul precision, promotion rules, meshes, statax's own states, ...), hashable: the part of
@@ -182,6 +207,12 @@ from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED_SHARDING  # noqa:
 def register_lowering_identity(prim: jex.Primitive) -> None:
     """Lower `prim` to no op at all: its outputs are its operands."""
     mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs))
+
+
+def register_lowering(prim: jex.Primitive, rule: Callable) -> None:
+    """Lower `prim` with `rule(ctx, *xs, **params)` (for statax's state primitives, which only
+    raise: they never reach a compiler)."""
+    mlir.register_lowering(prim, rule)
 
 
 def register_jvp_rule(prim: jex.Primitive, rule: Callable) -> None:

@@ -12,6 +12,8 @@ __all__ = [
     "KeyCollisionError",
     "PlantError",
     "ReduceMismatchError",
+    "StateError",
+    "StatefulWarning",
     "UnhandledPrimitiveError",
 ]
 
@@ -114,3 +116,14 @@ class KeyCollisionError(ValueError):
 
 class PlantError(ValueError):
     """A value given to `plant` (or `grad_inters`) that cannot go where it was asked to."""
+
+
+class StateError(ValueError):
+    """State that `stateful` cannot thread as asked: a name passed in that the function never
+    uses, a value of the wrong kind, or a set that leaves a name without a value on some path.
+    The message names the state, where it is read or set, and what to do."""
+
+
+class StatefulWarning(UserWarning):
+    """`get_state` ran outside `stateful`: it returned its `init()`, and `set_state` did
+    nothing."""
