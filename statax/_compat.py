@@ -43,6 +43,7 @@ __all__ = [
     "LinearSolveParts",
     "ScanParts",
     "ShardMapParts",
+    "VARY_PRIMITIVES",
     "WhileParts",
     "batch_traced",
     "batching_rule",
@@ -67,6 +68,7 @@ __all__ = [
     "register_lowering",
     "register_lowering_identity",
     "register_remat_partial_eval_rule",
+    "rebind_vary",
     "register_transpose_rule",
     "scan_params",
     "set_batching_rule",
@@ -497,6 +499,21 @@ def vary(x, axes: tuple) -> Any:
     if hasattr(jax.lax, "pcast"):  # JAX 0.9+
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)  # JAX 0.8
+
+
+# The primitives that mark a value as varying over manual axes: `pvary` (JAX 0.8 -- 0.12) and
+# `pcast` with `to="varying"` (0.9+).
+VARY_PRIMITIVES = frozenset({"pvary", "pcast"})
+
+
+def rebind_vary(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
+    """Evaluate a `pvary`/`pcast` equation on `args` that may already vary over some of its
+    axes (state read per shard, where it was the same on every shard when traced)."""
+    params = eqn.params
+    if eqn.primitive.name == "pcast" and params.get("to") != "varying":
+        return list(bind(eqn.primitive, args, params))
+    axes = tuple(params.get("axes", params.get("axis_name", ())))
+    return [vary(x, axes) for x in args]
 
 
 SymbolicZero = jax.custom_derivatives.SymbolicZero

@@ -59,6 +59,9 @@ class Given:
     non-array leaves) and the types of its array leaves. Hashable: part of the trace context."""
 
     specs: tuple[tuple[str, StateMeta, tuple], ...]
+    # The kind of each name last set while tracing, in program order, for a `get_state` with
+    # no `init` of a name not passed in. Not part of the key.
+    set_kinds: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def get(self, name: str) -> tuple[StateMeta, tuple] | None:
         for n, meta, avals in self.specs:
@@ -125,11 +128,16 @@ def get_state(name: str, init: Callable[[], Any] | None = None) -> Any:
         return init()
     default = None if init is None else _split(init(), name, location)
     spec = given.get(name)
+    if spec is None and default is None:  # the kind it was last set to, if it was
+        kind = given.set_kinds.get(name)
+        if kind is not None:
+            default = kind[0], [jnp.zeros(a.shape, a.dtype) for a in kind[1]]
     if spec is None:
         if default is None:
             raise StateError(
                 f"get_state({name!r}) at {location} has no value: it was not passed in "
-                f"state= and has no init. Pass state={{{name!r}: value}} or init=lambda: value."
+                "state=, has no init, and no set_state of it was traced before it. Pass "
+                f"state={{{name!r}: value}} or init=lambda: value."
             )
         meta, operands = default
         avals = tuple(jax.typeof(x) for x in operands)
@@ -175,9 +183,11 @@ def set_state(value: Any, name: str) -> Any:
         `value`, unchanged.
     """
     name = _check_name(name, "set_state")
-    if _compat.STATEFUL.value is None:
+    given = _compat.STATEFUL.value
+    if given is None:
         return value
     meta, arrays = _split(value, name, _caller_location())
+    given.set_kinds[name] = (meta, tuple(jax.typeof(x) for x in arrays))
     outs = iter(set_state_p.bind(*arrays, meta=meta))
     leaves = jax.tree_util.tree_leaves(value)
     return jax.tree_util.tree_unflatten(
@@ -261,7 +271,12 @@ def _call(fn, output_unchanged, args, kwargs, state):
         entry = _trace(call, leaves, treedef, traced, given, state_leaves, output_unchanged)
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
             entries[key] = entry
+    # Outputs that are inputs or literals come back as arrays, as from `jax.jit`.
     flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic, *state_leaves)
+    flat = [
+        x if isinstance(x, jax.Array) else jnp.asarray(x, None if a.weak_type else a.dtype)
+        for x, a in zip(flat, entry.jaxpr.out_avals, strict=True)
+    ]
     it = iter(flat[: entry.num_out])
     out = jax.tree_util.tree_unflatten(
         entry.out_treedef, [next(it) if s is None else s[0] for s in entry.out_static]
@@ -428,6 +443,8 @@ def _run(jaxpr, consts, args, env: dict, log: _Log) -> list:
             env[meta.name] = _Slot(meta, tuple(invals), log.depth)
             log.set(meta.name)
             outs = invals
+        elif prim.name in _compat.VARY_PRIMITIVES:  # its operand may vary where it did not
+            outs = _compat.rebind_vary(eqn, invals)
         elif not _holds_state(eqn):
             outs = _compat.bind(prim, invals, eqn.params)
             outs = outs if prim.multiple_results else [outs]
@@ -464,7 +481,7 @@ def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
     the batch axes of `avals`; a `StateError` where they are of another kind."""
     ok = slot.meta.treedef == meta.treedef and slot.meta.static_leaves == meta.static_leaves
     out = []
-    for x, aval in zip(slot.leaves, avals, strict=ok):
+    for x, aval in zip(slot.leaves, avals, strict=False):
         shape = jnp.shape(x)
         batched = len(aval.shape) - len(shape)
         if x.dtype != aval.dtype or batched < 0 or tuple(aval.shape[batched:]) != shape:
@@ -527,7 +544,9 @@ def _threaded(jaxpr, names: Sequence[str], env: dict, log: _Log, touched: dict) 
             outs = _run(open_jaxpr, consts, list(args), inner, log)
         finally:
             log.depth -= 1
-        new = {n: _conform(inner[n], meta, avals, "set") for n, (meta, avals) in touched.items()}
+        new = {
+            n: tuple(_conform(inner[n], meta, avals, "set")) for n, (meta, avals) in touched.items()
+        }
         return list(outs), new
 
     return f
@@ -677,10 +696,7 @@ def _shard_map(eqn, invals, env, log):
     info = _names(jaxpr)
     names = [n for n in env if n in info.reads or n in info.writes]
     split = {n: env[n].shards == axes for n in names}
-    local = {
-        n: s._replace(leaves=tuple(x[0] for x in s.leaves)) for n, s in env.items() if split.get(n)
-    }
-    run = _threaded(jaxpr, names, {**env, **local}, log, info.writes)
+    run = _threaded(jaxpr, names, env, log, info.writes)
 
     def body(args, state):
         state = {n: [x[0] if split[n] else x for x in v] for n, v in state.items()}
@@ -690,7 +706,7 @@ def _shard_map(eqn, invals, env, log):
     def spec(split_: bool) -> PartitionSpec:
         return PartitionSpec(axes) if split_ else PartitionSpec()
 
-    state = {n: env[n].leaves for n in names}
+    state = {n: list(env[n].leaves) for n in names}
     outs, new = jax.shard_map(
         body,
         mesh=mesh,

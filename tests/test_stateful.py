@@ -1,0 +1,482 @@
+"""`stateful`, `get_state`, `set_state`: every program against the same program with its state
+threaded by hand, under `jit`, `vmap` and `grad` in both orders."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import statax as stx
+from statax.testing import assert_tree_allclose
+
+
+def f(x):
+    y = stx.get_state(name="y", init=lambda: 4 * jnp.ones(()))
+    z = x * y
+    return stx.set_state(z, name="z")
+
+
+def g(x):
+    y = stx.get_state(name="y", init=lambda: (4 * jnp.ones(()), {"g": 1.0}))
+    z = x * y[0]
+    stx.set_state((z, y), "zy")
+    return z
+
+
+# ---- the original project's documented values ------------------------------------------------
+
+
+def test_outside_stateful_get_uses_init_and_warns_and_set_does_nothing():
+    with pytest.warns(stx.StatefulWarning, match="outside stx.stateful"):
+        assert f(2.0) == 8.0
+    assert stx.set_state(3.0, "z") == 3.0
+
+
+@pytest.mark.parametrize(
+    "run, expected",
+    [
+        (lambda: stx.stateful(f)(1.0), (4.0, {"z": 4.0})),
+        (lambda: stx.stateful(f, output_unchanged=True)(2.0), (8.0, {"z": 8.0, "y": 4.0})),
+        (
+            lambda: stx.stateful(f, output_unchanged=True)(2.0, state={"y": 3.0}),
+            (6.0, {"z": 6.0, "y": 3.0}),
+        ),
+        (lambda: jax.jit(stx.stateful(f))(1.0, state={"y": 3.0}), (3.0, {"z": 3.0})),
+        (lambda: stx.stateful(jax.jit(f))(1.0, state={"y": 3.0}), (3.0, {"z": 3.0})),
+        (lambda: stx.stateful(jax.grad(f))(1.0, state={"y": 3.0}), (3.0, {"z": 3.0})),
+        (
+            lambda: jax.grad(stx.stateful(f), has_aux=True)(1.0, state={"y": 3.0}),
+            (3.0, {"z": 3.0}),
+        ),
+        (
+            lambda: stx.stateful(jax.vmap(f))(jnp.ones(10), state={"y": 3.0}),
+            (np.full(10, 3.0), {"z": np.full(10, 3.0)}),
+        ),
+        (
+            lambda: jax.vmap(stx.stateful(f))(jnp.ones(10), state={"y": jnp.zeros(10) + 3}),
+            (np.full(10, 3.0), {"z": np.full(10, 3.0)}),
+        ),
+    ],
+)
+def test_documented_values(run, expected):
+    out, state = run()
+    assert list(state) == list(expected[1])
+    assert_tree_allclose((out, state), expected)
+
+
+def test_non_array_leaves_pass_through():
+    out, state = stx.stateful(g)(1.0)
+    assert out == 4.0 and state["zy"][1][1] == {"g": 1.0}
+    assert_tree_allclose(state["zy"][:2], (4.0, (4.0, {"g": 1.0}))[:2])
+    out, state = stx.stateful(g)(1.0, state={"y": (2.0, {"g": 0.0})})
+    assert out == 2.0
+    assert state["zy"][1] == (2.0, {"g": 0.0})  # the Python numbers passed in, as they were
+    np.testing.assert_allclose(state["zy"][0], 2.0)
+
+
+def test_gradients_flow_from_state_inputs():
+    def h(a, b):
+        c = stx.get_state("c", init=lambda: jnp.ones(()))
+        return a * c**2 + b
+
+    grad = jax.grad(lambda c: stx.stateful(h)(2.0, 1.0, state={"c": c})[0])(3.0)
+    np.testing.assert_allclose(grad, 2.0 * 2 * 3.0)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_a_name_passed_in_and_never_used_is_an_error_naming_it():
+    with pytest.raises(stx.StateError, match=r"never reads or sets: \['w'\].*\['y', 'z'\]"):
+        stx.stateful(f)(1.0, state={"w": 1.0})
+
+
+@pytest.mark.parametrize("bad", [jnp.ones(3), jnp.int32(3)])
+def test_a_state_of_the_wrong_kind_names_the_state_and_both_types(bad):
+    with pytest.raises(stx.StateError, match=r"'y' passed in is .*expects float32\[\]") as info:
+        stx.stateful(f)(1.0, state={"y": bad})
+    assert "test_stateful.py" in str(info.value)  # where the get_state is
+
+
+def test_a_state_that_changes_kind_is_an_error():
+    def h(x):
+        stx.set_state(jnp.ones(3), "a")
+        return stx.get_state("a", init=lambda: jnp.zeros(()))
+
+    with pytest.raises(stx.StateError, match=r"'a' holds float32\[3\].*as float32\[\]"):
+        stx.stateful(h)(1.0)
+
+
+def test_set_in_one_branch_with_no_value_before_is_an_error():
+    def h(p, x):
+        return lax.cond(p, lambda x: stx.set_state(x, "a"), lambda x: x, x)
+
+    with pytest.raises(stx.StateError, match="'a' is set in some branches"):
+        stx.stateful(h)(jnp.bool_(True), 1.0)
+
+
+def test_set_in_a_while_loop_with_no_value_before_is_an_error():
+    def h(n):
+        return lax.while_loop(lambda i: i < n, lambda i: stx.set_state(i + 1, "last"), 0)
+
+    with pytest.raises(stx.StateError, match="'last' is set inside a while_loop"):
+        stx.stateful(h)(jnp.int32(3))
+
+
+# ---- programs, each with its state threaded by hand ----------------------------------------
+# A case: (program, reference, args, state). `reference(*args, state) -> (out, new_state)`.
+
+
+def ordered(x):
+    stx.set_state(x * 2, "a")
+    a = stx.get_state("a", init=lambda: jnp.zeros(()))  # sees the set, not init
+    stx.set_state(a + 1, "a")
+    return a * x
+
+
+def ordered_ref(x, state):
+    a = x * 2
+    return a * x, {"a": a + 1}
+
+
+def scan_counter(xs):
+    def body(c, x):
+        n = stx.get_state("n", init=lambda: jnp.ones(()))
+        stx.set_state(n * x + 1, "n")
+        return c + n, n
+
+    return lax.scan(body, 0.0, xs)
+
+
+def scan_counter_ref(xs, state):
+    n = state.get("n", jnp.ones(()))
+    c, ys = 0.0, []
+    for x in xs:
+        c, ys, n = c + n, [*ys, n], n * x + 1
+    return (c, jnp.stack(ys)), {"n": n}
+
+
+def reverse_scan(xs):
+    def body(c, x):
+        n = stx.get_state("n", init=lambda: jnp.zeros(()))
+        stx.set_state(n * 0.5 + x, "n")
+        return c, n
+
+    return lax.scan(body, 0.0, xs, reverse=True)[1]
+
+
+def reverse_scan_ref(xs, state):
+    n, ys = state.get("n", jnp.zeros(())), [None] * len(xs)
+    for i in reversed(range(len(xs))):
+        ys[i], n = n, n * 0.5 + xs[i]
+    return jnp.stack(ys), {"n": n}
+
+
+def while_counter(x):
+    def body(carry):
+        i, acc = carry
+        k = stx.get_state("k", init=lambda: jnp.ones(()))
+        stx.set_state(k * x, "k")
+        return i + 1, acc + k
+
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, 0.0))[1]
+
+
+def while_counter_ref(x, state):
+    k, acc = state.get("k", jnp.ones(())), 0.0
+    for _ in range(3):
+        acc, k = acc + k, k * x
+    return acc, {"k": k}
+
+
+def fori(x):
+    def body(i, c):
+        k = stx.get_state("k", init=lambda: jnp.ones(()))
+        stx.set_state(k + x, "k")
+        return c * k
+
+    return lax.fori_loop(0, 4, body, 1.0)
+
+
+def fori_ref(x, state):
+    k, c = state.get("k", jnp.ones(())), 1.0
+    for _ in range(4):
+        c, k = c * k, k + x
+    return c, {"k": k}
+
+
+def branches(x):
+    stx.set_state(x, "v")
+
+    def big(x):
+        stx.set_state(stx.get_state("v") * 10, "v")
+        return x + 1
+
+    def small(x):
+        stx.set_state(stx.get_state("v") - 1, "w")
+        return x - 1
+
+    return lax.switch(jnp.int32(x > 0) + jnp.int32(x > 1), [small, small, big], x)
+
+
+def branches_ref(x, state):
+    w = state.get("w", jnp.zeros(()))
+    if x > 1:
+        return x + 1, {"v": x * 10, "w": w}
+    return x - 1, {"v": x, "w": x - 1}
+
+
+def checkpointed(x):
+    @jax.checkpoint
+    def inner(x):
+        n = stx.get_state("n", init=lambda: jnp.zeros(()))
+        stx.set_state(n + 1, "n")
+        return jnp.sin(x) * (n + 1)
+
+    return inner(inner(x))
+
+
+def checkpointed_ref(x, state):
+    n = state.get("n", jnp.zeros(()))
+    x = jnp.sin(x) * (n + 1)
+    x = jnp.sin(x) * (n + 2)
+    return x, {"n": n + 2}  # set once per call, however often recomputed
+
+
+@jax.custom_jvp
+def custom(x):
+    n = stx.get_state("n", init=lambda: jnp.zeros(()))
+    stx.set_state(n + x, "n")
+    return jnp.sin(x)
+
+
+custom.defjvp(lambda p, t: (custom(p[0]), jnp.cos(p[0]) * t[0]))
+
+
+def custom_call(x):
+    return custom(x) + custom(2 * x)
+
+
+def custom_call_ref(x, state):
+    n = state.get("n", jnp.zeros(()))
+    return jnp.sin(x) + jnp.sin(2 * x), {"n": n + 3 * x}
+
+
+def jitted(x):
+    step = jax.jit(ordered)
+    return step(x) + step(x + 1)
+
+
+def jitted_ref(x, state):
+    a, s = ordered_ref(x, state)
+    b, s = ordered_ref(x + 1, s)
+    return a + b, s
+
+
+def inner_vmap(xs):
+    def step(x):
+        n = stx.get_state("n", init=lambda: jnp.zeros(()))
+        stx.set_state(n + x, "n")
+        return x * n
+
+    return jax.vmap(step)(xs) + jax.vmap(step)(xs)  # the second reads each example's own n
+
+
+def inner_vmap_ref(xs, state):
+    n = jnp.broadcast_to(state.get("n", jnp.zeros(())), xs.shape)
+    first, n = xs * n, n + xs
+    second, n = xs * n, n + xs
+    return first + second, {"n": n}
+
+
+def setter(x):
+    stx.set_state(x * 3, "b")
+    return x**2
+
+
+def equinox_transforms(x):
+    y = eqx.filter_jit(ordered)(x)
+    grads = eqx.filter_grad(lambda v: eqx.filter_vmap(setter)(v).sum())(jnp.stack([x, 2 * x]))
+    return y + grads.sum()
+
+
+def equinox_transforms_ref(x, state):
+    y, state = ordered_ref(x, state)
+    # The vmapped setter sets one value per example.
+    return y + 2 * (x + 2 * x), {**state, "b": 3 * jnp.stack([x, 2 * x])}
+
+
+CASES = {
+    "ordered": (ordered, ordered_ref, (1.5,), {}),
+    "scan": (scan_counter, scan_counter_ref, (jnp.arange(1.0, 5.0) / 4,), {}),
+    "scan_given": (scan_counter, scan_counter_ref, (jnp.arange(4.0),), {"n": 2.0}),
+    "reverse_scan": (reverse_scan, reverse_scan_ref, (jnp.arange(4.0),), {}),
+    "while": (while_counter, while_counter_ref, (1.5,), {}),
+    "while_given": (while_counter, while_counter_ref, (0.5,), {"k": 3.0}),
+    "fori": (fori, fori_ref, (0.5,), {"k": 2.0}),
+    "switch_big": (branches, branches_ref, (2.0,), {"w": 5.0}),
+    "switch_small": (branches, branches_ref, (0.5,), {"w": 5.0}),
+    "checkpoint": (checkpointed, checkpointed_ref, (0.7,), {}),
+    "custom_jvp": (custom_call, custom_call_ref, (0.3,), {"n": 1.0}),
+    "jit": (jitted, jitted_ref, (1.5,), {}),
+    "inner_vmap": (inner_vmap, inner_vmap_ref, (jnp.arange(3.0),), {"n": 1.0}),
+    "equinox": (equinox_transforms, equinox_transforms_ref, (1.5,), {}),
+}
+
+
+def _state(state):
+    return {k: jnp.asarray(v, jnp.float32) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("order", ["plain", "jit_outside", "jit_inside"])
+def test_state_is_threaded_as_by_hand(case, order):
+    fn, ref, args, state = CASES[case]
+    state = _state(state)
+    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+    run = {
+        "plain": stx.stateful(fn),
+        "jit_outside": jax.jit(stx.stateful(fn)),
+        "jit_inside": stx.stateful(jax.jit(fn)),
+    }[order]
+    out, new = run(*args, state=state)
+    expected = ref(*args, state)
+    assert sorted(new) == sorted(expected[1])
+    assert_tree_allclose((out, new), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["ordered", "scan", "while", "fori", "switch_big", "checkpoint"])
+def test_vmap_outside_is_per_example_state(case):
+    fn, ref, args, state = CASES[case]
+    state = _state(state)
+    batch = tuple(jnp.stack([jnp.asarray(a, jnp.float32) * s for s in (1.0, 0.5)]) for a in args)
+    bstate = {k: jnp.stack([v, v + 1]) for k, v in state.items()}
+    out, new = jax.vmap(stx.stateful(fn))(*batch, state=bstate)
+    for i in range(2):
+        expected = ref(*(b[i] for b in batch), {k: v[i] for k, v in bstate.items()})
+        assert_tree_allclose(jax.tree.map(lambda v, i=i: v[i], (out, new)), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["ordered", "scan_given", "fori", "checkpoint", "jit"])
+def test_grad_outside_through_args_and_state(case):
+    fn, ref, args, state = CASES[case]
+    state = _state(state)
+    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+
+    def loss(run):
+        def of(args, state):
+            out, new = run(*args, state=state)
+            leaves = jax.tree.leaves((out, new))
+            return sum(jnp.sum(jnp.sin(x)) for x in leaves)
+
+        return of
+
+    got = jax.grad(loss(stx.stateful(fn)), argnums=(0, 1))(args, state)
+    want = jax.grad(loss(lambda *a, state: ref(*a, state)), argnums=(0, 1))(args, state)
+    assert_tree_allclose(got, want, rtol=1e-4)
+
+
+def test_inside_a_grad_within_stateful_a_read_state_is_a_constant():
+    # `ordered` reads back what it set; differentiated inside `stateful`, that read is a
+    # constant (as documented): d(a * x)/dx = a, not the 4x of the function written out.
+    out, new = stx.stateful(jax.grad(ordered))(jnp.float32(1.5))
+    assert_tree_allclose((out, new), (3.0, {"a": 4.0}))
+    out, new = jax.grad(stx.stateful(ordered), has_aux=True)(jnp.float32(1.5))
+    assert_tree_allclose((out, new), (6.0, {"a": 4.0}))  # outside: the function as written
+
+
+def test_checkpoint_under_grad_sets_once():
+    # The recomputation in the backward pass sets nothing: `n` counts calls, not passes.
+    fn, ref, _, _ = CASES["checkpoint"]
+    for run in (stx.stateful(jax.grad(fn)), jax.jit(stx.stateful(jax.grad(fn)))):
+        _, new = run(jnp.float32(0.7))
+        np.testing.assert_allclose(new["n"], 2.0)
+
+
+def test_shard_map_state_is_per_shard():
+    mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))
+
+    def body(x):
+        n = stx.get_state("n", init=lambda: jnp.zeros(()))
+        stx.set_state(n + x.sum(), "n")
+        return x * 2
+
+    smap = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+
+    def h(x):
+        return smap(smap(x))
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    blocks = np.arange(8.0).reshape(4, 2).sum(1)
+    for run in (stx.stateful(h), jax.jit(stx.stateful(h))):
+        out, new = run(x)
+        assert_tree_allclose((out, new), (4 * np.arange(8.0), {"n": 3 * blocks}))
+
+
+def test_does_not_retrace_for_the_same_shapes():
+    traces = []
+
+    def h(x):
+        traces.append(1)
+        return scan_counter(x)
+
+    run = stx.stateful(h)
+    for k in range(3):
+        run(jnp.arange(3.0) + k, state={"n": jnp.float32(k)})
+    assert len(traces) == 1
+    run(jnp.arange(4.0), state={"n": jnp.float32(0)})
+    assert len(traces) == 2
+
+
+# ---- composition with pull and plant -------------------------------------------------------
+
+
+def marked(x):
+    y = stx.get_state("y", init=lambda: jnp.ones(()))
+    h = stx.save_inter(x * y, name="h")
+    stx.set_state(y + h, "y")
+    return h * 2
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda x, s: (lambda r: ((r[0][0], r[1]), r[0][1]))(
+            stx.pull(stx.stateful(marked))(x, state=s)
+        ),
+        lambda x, s: (lambda r: ((r[0][0], r[0][1]), r[1]))(
+            stx.stateful(stx.pull(marked))(x, state=s)
+        ),
+    ],
+    ids=["pull_outside", "pull_inside"],
+)
+def test_composes_with_pull(run):
+    (out, inters), state = run(jnp.float32(2.0), {"y": jnp.float32(3.0)})
+    assert_tree_allclose((out, inters, state), (12.0, {"h_0": 6.0}, {"y": 9.0}))
+
+
+def test_composes_with_plant_in_both_orders():
+    values = {"h_0": jnp.float32(100.0)}
+    s = {"y": jnp.float32(3.0)}
+    expected = (200.0, {"y": 103.0})  # the planted value flows on, into the state too
+    assert_tree_allclose(
+        stx.plant(stx.stateful(marked))(values, jnp.float32(2.0), state=s), expected
+    )
+    assert_tree_allclose(
+        stx.stateful(stx.plant(marked))(values, jnp.float32(2.0), state=s), expected
+    )
+
+
+def test_no_state_eqn_is_left_in_the_program():
+    jaxpr = jax.make_jaxpr(lambda x: stx.stateful(scan_counter)(x))(jnp.arange(3.0))
+    text = str(jaxpr)
+    assert "get_state" not in text and "set_state" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(stx.stateful(scan_counter)).lower(jnp.arange(3.0)).compile()
