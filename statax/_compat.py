@@ -46,6 +46,7 @@ __all__ = [
     "VARY_PRIMITIVES",
     "WhileParts",
     "batch_traced",
+    "batched_outputs",
     "batching_rule",
     "bind",
     "call_jaxpr",
@@ -284,6 +285,12 @@ def set_batching_rule(prim: jex.Primitive, rule: Callable | None) -> None:
         batching.fancy_primitive_batchers.pop(prim, None)
     else:
         batching.fancy_primitive_batchers[prim] = rule
+
+
+def batched_outputs(closed: jex.ClosedJaxpr, axis_data: Any, in_batched: Sequence[bool]) -> list:
+    """Which outputs of `closed` are batched under `vmap` when `in_batched` inputs are (JAX's
+    own batching rules decide; `batch_jaxpr`'s signature is unchanged in JAX 0.8 -- 0.12)."""
+    return list(batching.batch_jaxpr(closed, axis_data, tuple(in_batched), False)[1])
 
 
 def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:

@@ -827,6 +827,46 @@ def _set_batch(axis_size, vals, dims, *, meta):
     return vals, dims
 
 
+def _forbid_batched_predicate(prim, predicate_batched: Callable) -> None:
+    # JAX batches a `cond` (or `while_loop`) whose predicate differs per example by running
+    # every branch (every iteration) for every example and selecting: each branch's
+    # `set_state` would run for every example. Inside `stateful` that is an error, not a
+    # silently wrong state.
+    original = _compat.batching_rule(prim)
+
+    def rule(axis_data, args, dims, **params):
+        if (
+            _compat.STATEFUL.value is not None
+            and predicate_batched(axis_data, params, dims)
+            and any(_names(j).reads or _names(j).writes for j in _compat.jaxprs_in_params(params))
+        ):
+            raise StateError(
+                f"A {prim} whose predicate differs per example of a vmap reads or sets state "
+                "inside stx.stateful: JAX runs every branch for every example, so each would "
+                "set it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
+            )
+        return original(axis_data, args, dims, **params)
+
+    _compat.set_batching_rule(prim, rule)
+
+
+def _while_predicate_batched(axis_data, params, dims) -> bool:
+    cond, body, cn, bn = _compat.while_parts(params)
+    batched = [d is not None for d in dims]
+    cconsts, bconsts, carry = batched[:cn], batched[cn : cn + bn], batched[cn + bn :]
+    while True:  # the carries batched after any number of iterations
+        out = _compat.batched_outputs(body, axis_data, [*bconsts, *carry])
+        grown = [a or b for a, b in zip(carry, out, strict=True)]
+        if grown == carry:
+            break
+        carry = grown
+    return _compat.batched_outputs(cond, axis_data, [*cconsts, *carry])[0]
+
+
+_forbid_batched_predicate(
+    jex.primitives.cond_p, lambda axis_data, params, dims: dims[0] is not None
+)
+_forbid_batched_predicate(jex.primitives.while_p, _while_predicate_batched)
 _compat.register_batching_rule(get_state_p, _get_batch)
 _compat.register_batching_rule(set_state_p, _set_batch)
 

@@ -480,3 +480,51 @@ def test_no_state_eqn_is_left_in_the_program():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.jit(stx.stateful(scan_counter)).lower(jnp.arange(3.0)).compile()
+
+
+def test_a_batched_predicate_inside_stateful_is_an_error_not_a_wrong_state():
+    def h(x):
+        stx.set_state(jnp.zeros(()), "v")
+        return lax.cond(x > 0, lambda x: stx.set_state(x, "v"), lambda x: stx.set_state(-x, "v"), x)
+
+    xs = jnp.array([1.0, -2.0])
+    with pytest.raises(stx.StateError, match="predicate differs per example"):
+        stx.stateful(jax.vmap(h))(xs)
+    _, new = jax.vmap(stx.stateful(h))(xs)  # the vmap outside: per-example state
+    assert_tree_allclose(new, {"v": np.array([1.0, 2.0])})
+
+    def loop(x):
+        return lax.while_loop(lambda c: c < x, lambda c: stx.set_state(c + 1, "n"), 0.0)
+
+    with pytest.raises(stx.StateError, match="predicate differs per example"):
+        stx.stateful(jax.vmap(loop))(xs, state={"n": jnp.float32(0)})
+
+
+def test_while_under_an_inner_vmap_with_a_shared_predicate_is_per_example():
+    def h(x):
+        def body(c):
+            i, a = c
+            n = stx.get_state("n", init=lambda: jnp.zeros(()))
+            stx.set_state(n + a, "n")
+            return i + 1, a * 2
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    out, new = stx.stateful(jax.vmap(h))(jnp.array([1.0, -2.0]))
+    assert_tree_allclose((out, new), (np.array([8.0, -16.0]), {"n": np.array([7.0, -14.0])}))
+
+
+@jax.custom_vjp
+def custom_v(x):
+    stx.set_state(x * 2, "cv")
+    return jnp.sin(x)
+
+
+custom_v.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+
+
+def test_custom_vjp_sets_state_and_keeps_its_derivative_outside():
+    out, new = stx.stateful(custom_v)(jnp.float32(0.5))
+    assert_tree_allclose((out, new), (np.sin(0.5), {"cv": 1.0}))
+    grad, new = jax.grad(stx.stateful(custom_v), has_aux=True)(jnp.float32(0.5))
+    assert_tree_allclose((grad, new), (np.cos(0.5), {"cv": 1.0}))
