@@ -6,9 +6,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 
-__all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of"]
+__all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of", "split"]
 
 
 class _ArraySlot:
@@ -50,6 +51,16 @@ def hashable(leaf: Any) -> Any:
     except TypeError:
         return Static(leaf)
     return leaf
+
+
+def split(value: Any) -> tuple[Any, tuple[Any, ...], list]:
+    """`(treedef, static_leaves, arrays)` of a pytree, as a `StateMeta` describes it: array
+    leaves (JAX and NumPy arrays, tracers) are `ARRAY` in `static_leaves` and listed in
+    `arrays`; the others are kept in `static_leaves` (made hashable)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    is_array = [eqx.is_array(leaf) for leaf in leaves]
+    static = tuple(ARRAY if a else hashable(x) for x, a in zip(leaves, is_array, strict=True))
+    return treedef, static, [x for x, a in zip(leaves, is_array, strict=True) if a]
 
 
 def _unwrap(leaf: Any) -> Any:

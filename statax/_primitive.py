@@ -20,13 +20,11 @@ import os
 import sys
 from typing import TypeVar
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
 from . import _compat
-from ._meta import ARRAY, StateMeta, hashable
+from ._meta import StateMeta, split
 from ._reduce import MODES
 
 # A mark's `status` param, one of three:
@@ -40,6 +38,7 @@ __all__ = [
     "IDLE",
     "INERT",
     "INPUT",
+    "batch_first",
     "collected",
     "save_inter",
     "save_inter_p",
@@ -108,11 +107,8 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     name = _compat.SCOPE.value + name
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    is_array = [eqx.is_array(leaf) for leaf in leaves]
-    static = tuple(ARRAY if a else hashable(leaf) for leaf, a in zip(leaves, is_array, strict=True))
+    treedef, static, arrays = split(value)
     meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
-    arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
     status = IDLE
     if _compat.PULLING.value:
         planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
@@ -122,10 +118,15 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
         if selection is not None and not selection(meta):
             status = INERT
-    outs = iter(save_inter_p.bind(*arrays, meta=meta, status=status))
-    return jax.tree_util.tree_unflatten(
-        treedef, [next(outs) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
-    )
+    return meta.unflatten(save_inter_p.bind(*arrays, meta=meta, status=status))
+
+
+def batch_first(axis_size: int, vals, dims) -> list:
+    """In a batching rule: `vals` with their batch axes moved to 0, unbatched ones broadcast."""
+    return [
+        jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
+        for v, d in zip(vals, dims, strict=True)
+    ]
 
 
 def collected(params: dict) -> bool:
@@ -176,10 +177,7 @@ def _batch(axis_size, vals, dims, **params):
     if not fed and all(d is None for d in dims):
         save_inter_p.bind(*vals, **params)
         return vals, dims
-    moved = [
-        jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
-        for v, d in zip(vals, dims, strict=True)
-    ]
+    moved = batch_first(axis_size, vals, dims)
     meta = params["meta"]
     outs = save_inter_p.bind(
         *moved, **dict(params, meta=dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1))

@@ -129,21 +129,29 @@ def _run(pulled, root, call, leaves, treedef, values):
 
 def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
+    traced, dynamic, key = arguments_key(leaves, treedef)
+    key = (only, *key)
+    entry = lookup(root, key)
+    if entry is None:
+        entry = _trace(call, leaves, treedef, traced, only)
+        if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
+            store(root, key, entry)
+    return entry, dynamic
+
+
+def arguments_key(leaves: list, treedef) -> tuple[list, list, tuple]:
+    """`(traced, dynamic, key)`: which leaves are traced, those leaves, and what a cached trace
+    for them is keyed by (as `jax.jit`: JAX's trace context too, so that no result traced
+    under other flags comes back)."""
     traced = _traced_mask(leaves, treedef)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
     key = (
-        _compat.trace_context(),  # as jax.jit: no result traced under other flags
-        only,
+        _compat.trace_context(),
         treedef,
         tuple(None if t else hashable(leaf) for leaf, t in zip(leaves, traced, strict=True)),
         tuple(map(jax.typeof, dynamic)),
     )
-    entry = _lookup(root, key)
-    if entry is None:
-        entry = _trace(call, leaves, treedef, traced, only)
-        if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
-            _store(root, key, entry)
-    return entry, dynamic
+    return traced, dynamic, key
 
 
 def _evaluate(
@@ -158,7 +166,7 @@ def _evaluate(
             flat[i] = jnp.asarray(flat[i], dtype)
     n = entry.num_out
     inters = _name(entry.metas, flat[n:], ran, entry.plans)
-    return _unflatten_out(entry, flat[:n]), inters
+    return unflatten_out(entry, flat[:n]), inters
 
 
 def _summarized(entry: _Entry, summarize: Callable, ran: bool) -> Callable:
@@ -219,9 +227,10 @@ def _traced_mask(leaves: list, treedef) -> list[bool]:
     return traced
 
 
-def _lookup(root, key) -> _Entry | None:
+def lookup(root, key, cache: weakref.WeakKeyDictionary = _CACHE) -> Any:
+    """The entry cached for `root` under `key` in `cache` (pull's by default), or None."""
     try:
-        entries = _CACHE.get(root)
+        entries = cache.get(root)
     except TypeError:  # not weakly referenceable: not cached
         return None
     if entries is None:
@@ -232,9 +241,10 @@ def _lookup(root, key) -> _Entry | None:
     return entry
 
 
-def _store(root, key, entry: _Entry) -> None:
+def store(root, key, entry, cache: weakref.WeakKeyDictionary = _CACHE) -> None:
+    """Cache `entry` for `root` under `key`, keeping the most recently used few per root."""
     try:
-        entries = _CACHE.setdefault(root, OrderedDict())
+        entries = cache.setdefault(root, OrderedDict())
     except TypeError:
         return
     entries[key] = entry
@@ -242,8 +252,9 @@ def _store(root, key, entry: _Entry) -> None:
         entries.popitem(last=False)
 
 
-def _trace(call, leaves, treedef, traced, only) -> _Entry:
-    out_info = []
+def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
+    """`call` as a function of the traced leaves only, returning its array outputs flat; the
+    output's structure and non-array leaves go to `out_info` when it is traced."""
 
     def flat_fn(*dynamic):
         it = iter(dynamic)
@@ -256,6 +267,12 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
         out_info.append((out_def, static))
         return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
 
+    return flat_fn
+
+
+def _trace(call, leaves, treedef, traced, only) -> _Entry:
+    out_info = []
+    flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True):
@@ -270,7 +287,8 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {})
 
 
-def _unflatten_out(entry: _Entry, arrays: Sequence) -> Any:
+def unflatten_out(entry, arrays: Sequence) -> Any:
+    """The output from its flat arrays (`entry` has `out_static` and `out_treedef`)."""
     it = iter(arrays)
     leaves = [next(it) if s is None else s[0] for s in entry.out_static]
     return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)

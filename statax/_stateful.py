@@ -39,8 +39,8 @@ from jax.sharding import PartitionSpec
 from . import _compat, _pull
 from ._errors import StateError, StatefulWarning
 from ._interpreter import inert, zero_tangent
-from ._meta import ARRAY, StateMeta, hashable
-from ._primitive import _caller_location
+from ._meta import ARRAY, StateMeta, split
+from ._primitive import _caller_location, batch_first
 
 __all__ = ["get_state", "get_state_p", "set_state", "set_state_p", "stateful"]
 
@@ -71,10 +71,7 @@ class Given:
 
 
 def _split(value: Any, name: str, location: str) -> tuple[StateMeta, list]:
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    is_array = [eqx.is_array(leaf) for leaf in leaves]
-    static = tuple(ARRAY if a else hashable(x) for x, a in zip(leaves, is_array, strict=True))
-    arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+    treedef, static, arrays = split(value)
     return StateMeta(name, treedef, static, location), arrays
 
 
@@ -188,11 +185,7 @@ def set_state(value: Any, name: str) -> Any:
         return value
     meta, arrays = _split(value, name, _caller_location())
     given.set_kinds[name] = (meta, tuple(jax.typeof(x) for x in arrays))
-    outs = iter(set_state_p.bind(*arrays, meta=meta))
-    leaves = jax.tree_util.tree_leaves(value)
-    return jax.tree_util.tree_unflatten(
-        meta.treedef, [next(outs) if s is ARRAY else x for s, x in zip(meta.static_leaves, leaves)]
-    )
+    return meta.unflatten(set_state_p.bind(*arrays, meta=meta))
 
 
 class _Stateful(eqx.Module):
@@ -255,32 +248,20 @@ def _call(fn, output_unchanged, args, kwargs, state):
     given = Given(tuple(specs))
     root, tree, call = _pull._split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
-    traced = _pull._traced_mask(leaves, treedef)
-    dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
-    key = (
-        _compat.trace_context(),
-        output_unchanged,
-        given,
-        treedef,
-        tuple(None if t else hashable(x) for x, t in zip(leaves, traced, strict=True)),
-        tuple(map(jax.typeof, dynamic)),
-    )
-    entries = _CACHE.setdefault(root, {}) if _weakable(root) else {}
-    entry = entries.get(key)
+    traced, dynamic, key = _pull.arguments_key(leaves, treedef)
+    key = (output_unchanged, given, *key)
+    entry = _pull.lookup(root, key, _CACHE)
     if entry is None:
         entry = _trace(call, leaves, treedef, traced, given, state_leaves, output_unchanged)
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
-            entries[key] = entry
+            _pull.store(root, key, entry, _CACHE)
     # Outputs that are inputs or literals come back as arrays, as from `jax.jit`.
     flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic, *state_leaves)
     flat = [
         x if isinstance(x, jax.Array) else jnp.asarray(x, None if a.weak_type else a.dtype)
         for x, a in zip(flat, entry.jaxpr.out_avals, strict=True)
     ]
-    it = iter(flat[: entry.num_out])
-    out = jax.tree_util.tree_unflatten(
-        entry.out_treedef, [next(it) if s is None else s[0] for s in entry.out_static]
-    )
+    out = _pull.unflatten_out(entry, flat[: entry.num_out])
     new_state, start = {}, entry.num_out
     for meta in entry.metas:
         new_state[meta.name] = meta.unflatten(flat[start : start + meta.num_values])
@@ -288,26 +269,9 @@ def _call(fn, output_unchanged, args, kwargs, state):
     return out, new_state
 
 
-def _weakable(root) -> bool:
-    try:
-        weakref.ref(root)
-    except TypeError:
-        return False
-    return True
-
-
 def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unchanged) -> _Entry:
-    out_info = []
-
-    def flat_fn(*dynamic):
-        it = iter(dynamic)
-        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
-        tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out_leaves, out_def = jax.tree_util.tree_flatten(call(tree, *args, **kwargs))
-        is_arr = [eqx.is_array(x) for x in out_leaves]
-        out_info.append((out_def, tuple(None if a else (x,) for x, a in zip(out_leaves, is_arr))))
-        return [x for x, a in zip(out_leaves, is_arr, strict=True) if a]
-
+    out_info: list = []
+    flat_fn = _pull.flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
     with _compat.STATEFUL(given):
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
@@ -323,9 +287,7 @@ def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unc
 
     def threaded(*flat):
         args, rest = flat[: len(dynamic)], iter(flat[len(dynamic) :])
-        env = {
-            n: _Slot(meta, tuple(next(rest) for _ in avals), 0) for n, meta, avals in given.specs
-        }
+        env = {n: _Slot(meta, tuple(next(rest) for _ in avals)) for n, meta, avals in given.specs}
         log = _Log()
         outs = _run(closed.jaxpr, closed.consts, args, env, log)
         names_out = [n for n in log.set_order if n in env]
@@ -355,13 +317,11 @@ def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unc
 
 
 class _Slot(NamedTuple):
-    """The current value of a name: its structure, its array leaves, at which depth of loops
-    and branches they were made (0: the top level of `stateful`'s trace), and the manual mesh
-    axes they are split over, one row per shard (set in a `shard_map`), or `()`."""
+    """The current value of a name: its structure, its array leaves, and the manual mesh axes
+    they are split over, one row per shard (set in a `shard_map`), or `()`."""
 
     meta: StateMeta
     leaves: tuple
-    depth: int = 0
     shards: tuple = ()
 
 
@@ -440,7 +400,7 @@ def _run(jaxpr, consts, args, env: dict, log: _Log) -> list:
             outs = _get(eqn.params["meta"], eqn.params["avals"], invals, env, log)
         elif prim is set_state_p:
             meta = eqn.params["meta"]
-            env[meta.name] = _Slot(meta, tuple(invals), log.depth)
+            env[meta.name] = _Slot(meta, tuple(invals))
             log.set(meta.name)
             outs = invals
         elif prim.name in _compat.VARY_PRIMITIVES:  # its operand may vary where it did not
@@ -468,7 +428,7 @@ def _get(meta: StateMeta, avals, defaults, env, log) -> list:
     log.read(meta.name)
     slot = env.get(meta.name)
     if slot is None:  # no value yet: this read's own init()
-        default = _Slot(meta, tuple(defaults), log.depth)
+        default = _Slot(meta, tuple(defaults))
         log.defaults.setdefault(meta.name, default)
         if log.depth == 0:
             log.top_defaults.setdefault(meta.name, default)
@@ -554,7 +514,7 @@ def _threaded(jaxpr, names: Sequence[str], env: dict, log: _Log, touched: dict) 
 
 def _update(env: dict, new: dict, touched: dict, log: _Log, shards: tuple = ()) -> None:
     for n, leaves in new.items():
-        env[n] = _Slot(touched[n][0], tuple(leaves), log.depth, shards)
+        env[n] = _Slot(touched[n][0], tuple(leaves), shards)
         log.set(n)
 
 
@@ -568,11 +528,11 @@ def _carried(writes: dict, env: dict, log: _Log, probe: Callable | None, loop: s
     init = {}
     for n, (meta, avals) in writes.items():
         if n in env:
-            init[n] = _Slot(meta, tuple(_conform(env[n], meta, avals, "carried")), log.depth)
+            init[n] = _Slot(meta, tuple(_conform(env[n], meta, avals, "carried")))
         elif n in first:
-            init[n] = _Slot(meta, tuple(_conform(first[n], meta, avals, "carried")), log.depth)
+            init[n] = _Slot(meta, tuple(_conform(first[n], meta, avals, "carried")))
         elif loop == "scan":
-            init[n] = _Slot(meta, tuple(jnp.zeros(a.shape, a.dtype) for a in avals), log.depth)
+            init[n] = _Slot(meta, tuple(jnp.zeros(a.shape, a.dtype) for a in avals))
         else:
             raise StateError(
                 f"The state {n!r} is set inside a {loop} (at {meta.location}) and has no value "
@@ -800,19 +760,12 @@ def _batched_meta(meta: StateMeta) -> StateMeta:
     return dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1)
 
 
-def _to_front(axis_size, vals, dims) -> list:
-    return [
-        jnp.broadcast_to(v, (axis_size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
-        for v, d in zip(vals, dims, strict=True)
-    ]
-
-
 def _get_batch(axis_size, vals, dims, *, meta, avals):
     # Every read under a vmap is per example: the state may hold one value per example (set
     # under this vmap), or one for all (broadcast when it is read).
     avals = tuple(a.update(shape=(axis_size, *a.shape)) for a in avals)
     outs = get_state_p.bind(
-        *_to_front(axis_size, vals, dims), meta=_batched_meta(meta), avals=avals
+        *batch_first(axis_size, vals, dims), meta=_batched_meta(meta), avals=avals
     )
     return outs, [0] * len(outs)
 
@@ -823,7 +776,7 @@ def _set_batch(axis_size, vals, dims, *, meta):
     if all(d is None for d in dims):
         set_state_p.bind(*vals, meta=meta)
     else:
-        set_state_p.bind(*_to_front(axis_size, vals, dims), meta=_batched_meta(meta))
+        set_state_p.bind(*batch_first(axis_size, vals, dims), meta=_batched_meta(meta))
     return vals, dims
 
 
