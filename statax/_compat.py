@@ -25,6 +25,7 @@ from jax._src import effects as effects_lib  # isort: skip
 from jax._src import linear_util as lu  # isort: skip
 from jax._src.interpreters import ad, batching, mlir  # isort: skip
 from jax._src.interpreters import partial_eval as pe  # isort: skip
+from jax._src.lax import lax as lax_internal  # isort: skip
 
 __all__ = [
     "HI_PRIMITIVE",
@@ -55,6 +56,11 @@ __all__ = [
     "cond_params",
     "custom_params",
     "custom_primal",
+    "custom_rule",
+    "custom_rule_in_library",
+    "custom_rule_inputs",
+    "custom_rule_params",
+    "dce",
     "extend_debug_info",
     "hi_expand",
     "hi_jaxprs",
@@ -82,6 +88,7 @@ __all__ = [
     "vary",
     "while_parts",
     "wraps_jaxpr",
+    "zeros",
 ]
 
 # (major, minor, patch) of the JAX in use; branches below name the versions they cover.
@@ -422,6 +429,64 @@ def custom_primal(params: dict) -> jex.ClosedJaxpr:
 
 def custom_params(params: dict, primal: jex.ClosedJaxpr) -> dict:
     return dict(params, call_jaxpr=primal)
+
+
+def custom_rule(params: dict) -> jex.ClosedJaxpr:
+    """The rule of a `custom_jvp_call` or `custom_vjp_call` equation, traced as JAX traces it
+    when it differentiates: the JVP with a tangent for every inexact input (inputs: the
+    non-constant primals, then those tangents; outputs: the primal outputs, then the nonzero
+    tangents), or `fwd` (inputs: the non-constant primals; outputs: residuals and primal
+    outputs), told that no input is perturbed (which matters only to a rule with
+    `symbolic_zeros=True`, and equinox's forbid perturbing some). JAX 0.8 -- 0.12:
+    `jvp_jaxpr_fun(*symbolic_zeros)`, `fwd_jaxpr_thunk(*perturbed)`, both memoized."""
+    avals = custom_primal(params).in_avals[params["num_consts"] :]
+    if "jvp_jaxpr_fun" in params:
+        zeros = [not jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in avals]
+        jaxpr, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
+    else:
+        jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*[False] * len(avals))
+    return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def custom_rule_in_library(params: dict) -> bool:
+    """Whether the rule of a `custom_jvp_call`/`custom_vjp_call` is defined in an installed
+    package (JAX's `defjvps`, equinox, a solver library) rather than in the user's code (the
+    file in its debug info, JAX 0.8 -- 0.12: `"name at file:line"`)."""
+    key = "jvp_jaxpr_fun" if "jvp_jaxpr_fun" in params else "fwd_jaxpr_thunk"
+    source = params[key].debug_info.func_src_info or ""
+    return "site-packages" in source or "dist-packages" in source
+
+
+def custom_rule_inputs(params: dict) -> int:
+    """How many of `custom_rule`'s inputs are primals (the others are tangents)."""
+    return len(custom_primal(params).in_avals) - params["num_consts"]
+
+
+def custom_rule_params(params: dict, transform: Callable) -> dict:
+    """`params` whose rule (`custom_rule`'s, whenever JAX traces it) is `transform(jaxpr)`, a
+    function of the open jaxpr."""
+    key = "jvp_jaxpr_fun" if "jvp_jaxpr_fun" in params else "fwd_jaxpr_thunk"
+    traced = params[key]
+
+    def rule(*flags):
+        jaxpr, *rest = traced.call_wrapped(*flags)
+        return (transform(jaxpr), *rest)
+
+    return dict(params, **{key: lu.wrap_init(rule, debug_info=traced.debug_info)})
+
+
+def zeros(aval: Any) -> jax.Array:
+    """Zeros of exactly `aval`'s type: weak type, sharding and varying manual axes included
+    (`lax.zeros_like_shaped_array`, JAX 0.8 -- 0.12)."""
+    return lax_internal.zeros_like_shaped_array(aval)
+
+
+def dce(
+    jaxpr: jex.Jaxpr, used_outputs: Sequence[bool], keep: bool | Sequence[bool] = False
+) -> tuple[jex.Jaxpr, list[bool]]:
+    """`jaxpr` with only `used_outputs`, and which inputs it still takes: those they use and
+    those `keep` keeps. `pe.dce_jaxpr`, unchanged in JAX 0.8 -- 0.12."""
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), keep if isinstance(keep, bool) else list(keep))
 
 
 class LinearSolveParts(NamedTuple):

@@ -44,12 +44,14 @@ __all__ = [
     "Handler",
     "Rewrite",
     "Rewritten",
+    "acts_on",
     "call_equation",
     "extend_equation",
     "find_saves",
     "find_saves_in_impl",
     "handler_from_exposer",
     "inert",
+    "map_jaxprs",
     "mark",
     "on_forget",
     "only_in",
@@ -228,7 +230,7 @@ def _selected(meta: StateMeta) -> bool:
     return selection is None or bool(selection(meta))
 
 
-def _acts_on(params: dict) -> bool:
+def acts_on(params: dict) -> bool:
     """Whether the walk does something with a mark: collects it, or feeds its value in."""
     if params["status"] == INPUT:
         return True
@@ -262,7 +264,7 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
 def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
-            if _acts_on(eqn.params):
+            if acts_on(eqn.params):
                 yield eqn.params["meta"]
         else:
             yield from _eqn_saves(eqn)
@@ -590,49 +592,74 @@ def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]
 _INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def inert(jaxpr):
-    """`jaxpr` (open or closed) with every mark, at any depth, made inert (never collected).
+def inert(jaxpr, which: Callable[[StateMeta], bool] | None = None):
+    """`jaxpr` (open or closed) with every mark, at any depth, made inert (never collected); or,
+    with `which`, the marks whose meta it accepts.
 
     For handlers that bind an equation as it was, to delegate to its own rules (custom
     derivatives, linear solves, see `pulled_with_rule`): its marks must not be collected again
     by an enclosing `pull`.
     """
     if _compat.wraps_jaxpr(jaxpr):
-        new = inert(jaxpr.jaxpr)
+        new = inert(jaxpr.jaxpr, which)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
     with selecting(None):  # every mark, selected or not
         if not find_saves(jaxpr):
             return jaxpr
-        return _inert(jaxpr)
+        if which is not None:
+            return _inert(jaxpr, which)
+        cached = _INERT.get(jaxpr)
+        if cached is None:
+            cached = _INERT[jaxpr] = _inert(jaxpr, None)
+        return cached
 
 
-def _inert(jaxpr):
-    cached = _INERT.get(jaxpr)
-    if cached is None:
-        eqns = []
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is save_inter_p:
+def _inert(jaxpr, which):
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is save_inter_p:
+            if which is None or which(eqn.params["meta"]):
                 eqn = eqn.replace(params=dict(eqn.params, status=INERT))
-            elif _eqn_saves(eqn):
-                eqn = eqn.replace(params={k: _inert_param(v) for k, v in eqn.params.items()})
-            eqns.append(eqn.replace(effects=_without_save_effect(eqn.effects)))
-        cached = _INERT[jaxpr] = jaxpr.replace(
-            eqns=eqns, effects=_without_save_effect(jaxpr.effects)
-        )
-    return cached
+        elif _eqn_saves(eqn):
+            eqn = eqn.replace(params=map_jaxprs(eqn.params, lambda j: inert(j, which)))
+        if not _still_collects(eqn):
+            eqn = eqn.replace(effects=_without_save_effect(eqn.effects))
+        eqns.append(eqn)
+    effects = jaxpr.effects
+    if not any(_compat.SAVE_EFFECT in eqn.effects for eqn in eqns):
+        effects = _without_save_effect(effects)
+    return jaxpr.replace(eqns=eqns, effects=effects)
 
 
-def _inert_param(value):
+def _still_collects(eqn) -> bool:
+    """Whether a mark in `eqn` still carries the effect of one a `pull` collects."""
+    if eqn.primitive is save_inter_p:
+        return eqn.params["status"] == COLLECTING
+    return any(_compat.SAVE_EFFECT in sub.effects for sub in _compat.jaxprs_in_params(eqn.params))
+
+
+def map_jaxprs(eqn_params: dict, fn: Callable) -> dict:
+    """An equation's params with `fn` applied to every jaxpr in them (alone, or in a tuple or
+    named tuple of them)."""
+    return {key: _map_jaxprs(value, fn) for key, value in eqn_params.items()}
+
+
+def _map_jaxprs(value, fn):
     if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
-        return inert(value)
+        return fn(value)
     if isinstance(value, tuple) and any(isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) for v in value):
-        items = [_inert_param(v) for v in value]
+        items = [_map_jaxprs(v, fn) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 
 def pulled_with_rule(
-    original: Callable, primal: jex.ClosedJaxpr, args: Sequence, *, rule: str = "jvp"
+    original: Callable,
+    primal: jex.ClosedJaxpr,
+    args: Sequence,
+    *,
+    rule: str = "jvp",
+    extra: tuple[jex.ClosedJaxpr, tuple[StateMeta, ...]] | None = None,
 ) -> list:
     """In an exposer, for an equation with rules of its own (custom derivatives, linear solves,
     hijax and equinox primitives): its outputs, computed once by its pulled `primal`, its
@@ -648,22 +675,50 @@ def pulled_with_rule(
 
     Where a value is planted inside (it takes values in), the function is no longer the one its
     rule describes: it runs as written and is differentiated as written.
+
+    `extra`, `(jaxpr, metas)`: intermediates of the rule itself (see
+    `handlers.custom_derivatives`), which `jaxpr` computes from the last of `args`: they are
+    computed beside the rule where it runs (the result is differentiated), and are zeros where
+    it does not, as a `cond` branch that did not run.
     """
     pulled, metas, ins = pull_jaxpr(primal)
     n = len(primal.out_avals)
     run_pulled = jex.jaxpr_as_fun(pulled)
+    run_rule: Callable = lambda *args: ()  # noqa: E731
+    if extra is not None:
+        closed, more = extra
+        metas = (*metas, *more)
+        run_rule = _on_last(jex.jaxpr_as_fun(closed), len(closed.in_avals))
     if ins:
-        flat = run_pulled(*args, *take(ins, pulled.in_avals[len(args) :]))
+        flat = [
+            *run_pulled(*args, *take(ins, pulled.in_avals[len(args) :])),
+            *_not_run(run_rule, args),
+        ]
     else:
-        flat = (_with_jvp if rule == "jvp" else _with_vjp)(original, run_pulled, n)(*args)
+        wrap = _with_jvp if rule == "jvp" else _with_vjp
+        flat = wrap(original, run_pulled, run_rule, n)(*args)
     mark(flat[n:], metas)
     return list(flat[:n])
 
 
-def _with_jvp(original, run_pulled, n):
+def _on_last(fn: Callable, k: int) -> Callable:
+    def on_last(*args):
+        return fn(*args[len(args) - k :])
+
+    return on_last
+
+
+def _not_run(run_rule: Callable, args: Sequence) -> list:
+    """Zeros in place of what `run_rule` computes, batched under `vmap` as it would be (as the
+    rule's own outputs are, which JAX requires of a custom function's primal); the compiler
+    removes the computation."""
+    return [jnp.where(True, _compat.zeros(jax.typeof(v)), v) for v in run_rule(*args)]
+
+
+def _with_jvp(original, run_pulled, run_rule, n):
     @jax.custom_jvp
     def run(*args):
-        return tuple(run_pulled(*args))
+        return (*run_pulled(*args), *_not_run(run_rule, args))
 
     def run_jvp(primals, tangents):
         # Differentiate `original` only where a tangent is not a symbolic zero: the other
@@ -674,17 +729,18 @@ def _with_jvp(original, run_pulled, n):
             [primals[i] for i in live],
             [tangents[i] for i in live],
         )
-        saved = run_pulled(*map(jax.lax.stop_gradient, primals))[n:]
+        fixed = list(map(jax.lax.stop_gradient, primals))
+        saved = (*run_pulled(*fixed)[n:], *run_rule(*fixed))
         return (*outs, *saved), (*out_tangents, *map(zero_tangent, saved))
 
     run.defjvp(run_jvp, symbolic_zeros=True)
     return run
 
 
-def _with_vjp(original, run_pulled, n):
+def _with_vjp(original, run_pulled, run_rule, n):
     @jax.custom_vjp
     def run(*args):
-        return tuple(run_pulled(*args))
+        return (*run_pulled(*args), *_not_run(run_rule, args))
 
     live: list[int] = []  # the perturbed arguments, as `fwd` found them for `bwd`
     arity: list[int] = []
@@ -696,7 +752,8 @@ def _with_vjp(original, run_pulled, n):
         live[:] = [i for i, a in enumerate(args) if a.perturbed]
         arity[:] = [len(args)]
         outs, vjp = jax.vjp(only_in(original, values, live), *[values[i] for i in live])
-        saved = run_pulled(*map(jax.lax.stop_gradient, values))[n:]
+        fixed = list(map(jax.lax.stop_gradient, values))
+        saved = (*run_pulled(*fixed)[n:], *run_rule(*fixed))
         return (*outs, *saved), vjp
 
     def bwd(vjp, cts):

@@ -11,6 +11,16 @@ result is differentiated does the pulled primal also run, beside the original ru
 `stop_gradient`, to provide them. A value planted inside changes the function, so its rule no
 longer describes it: it then runs and is differentiated as written.
 
+The rule itself (the JVP of a `custom_jvp`, the `fwd` of a `custom_vjp`) is Python, not a
+jaxpr: JAX traces it only when it differentiates. So that `jax.jvp(pull(f))` returns what
+`pull(jax.jvp(f))` does, the rule is traced here too, and its marks join the primal's like the
+branches of a `cond`: a mark of the rule takes the primal's slot of the same name and
+occurrence (a rule that calls the primal function repeats its marks); the others are returned
+beside the primal's, computed from the primal inputs. A mark of a JVP rule whose value depends
+on the tangents is a derivative, not a value of the function at its inputs: it stays in the
+rule, collected by a `pull` around the differentiation (`pull(jax.jvp(f))`), as a `custom_vjp`'s
+`bwd` marks are.
+
 Under `pull(grad(f))` JAX has already replaced the equation by what it runs: the primal
 function for `custom_jvp` (if the JVP rule calls it), `fwd` and `bwd` for `custom_vjp`; their
 marks are collected where they run.
@@ -18,9 +28,167 @@ marks are collected where they run.
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
+from typing import NamedTuple
+
+from jax.extend import core as jex
 from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p
 
-from ..extend import bind, handler_from_exposer, inert, params, pulled_with_rule, register_handler
+from .. import _compat
+from .._interpreter import acts_on, map_jaxprs, on_forget
+from ..extend import (
+    StateMeta,
+    bind,
+    find_saves,
+    handler_from_exposer,
+    inert,
+    params,
+    pull_jaxpr,
+    pulled_with_rule,
+    register_handler,
+    save_inter_p,
+)
+
+
+class _RuleMarks(NamedTuple):
+    jaxpr: jex.ClosedJaxpr | None  # the non-constant primal inputs -> the leaves of `metas`
+    metas: tuple[StateMeta, ...]  # the rule's marks that are not the primal's
+    sites: frozenset  # (name, location) of every rule mark `pull` returns (or the primal does)
+
+
+_NONE = _RuleMarks(None, (), frozenset())
+# rule jaxpr (memoized by JAX per equation) -> per selection, its _RuleMarks
+_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+on_forget(_RULES.clear)
+
+
+def _rule_marks(eqn_params: dict) -> _RuleMarks:
+    if _compat.custom_rule_in_library(eqn_params) and not find_saves(
+        params.custom_primal(eqn_params)
+    ):
+        # Tracing every rule would cost as much as tracing the program again (equinox alone
+        # puts a custom_jvp behind every `error_if`): a library's rule is searched where its
+        # function holds marks (optimistix's implicit rule re-evaluating your residual).
+        return _NONE
+    try:
+        with _compat.PULLING(True):  # marks bound as a `pull` binds them (`only=` applies)
+            rule = _compat.custom_rule(eqn_params)
+    except Exception:  # noqa: BLE001
+        # A rule that refuses to be differentiated (`eqx.nondifferentiable`, equinox's
+        # guards on `filter_custom_vjp`'s non-differentiable arguments) runs no marks: where
+        # JAX would run it, it raises for the user.
+        return _NONE
+    per_selection = _RULES.setdefault(rule.jaxpr, {})
+    selection = _compat.SELECTION.value
+    if selection not in per_selection:
+        per_selection[selection] = _find_rule_marks(eqn_params, rule)
+    return per_selection[selection]
+
+
+def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
+    rule = _as_primal(rule)
+    found = _jaxpr_marks(rule.jaxpr)
+    if not found:
+        return _NONE
+    primal_marks = find_saves(params.custom_primal(eqn_params))
+    reduced = {m.name for m in primal_marks if m.reduce is not None}
+    if set(_slots(found)) <= set(_slots(primal_marks)) | {
+        (m.name, 0) for m in found if m.name in reduced
+    }:
+        # Every mark of the rule is one of the primal's (a rule that calls its function, as
+        # a checkpointed loop's `fwd` does): nothing more to rewrite.
+        return _RuleMarks(None, (), frozenset((m.name, m.location) for m in found))
+    pulled, metas, _ = pull_jaxpr(rule)
+    primal = pull_jaxpr(params.custom_primal(eqn_params))
+    num_primals = _compat.custom_rule_inputs(eqn_params)
+    # The primal's slots: (name, occurrence) -> the avals of its leaves.
+    slots = dict(zip(_slots(primal.outs), _leaf_avals(primal.jaxpr, primal.outs), strict=True))
+    outs = _leaf_ranges(len(rule.out_avals), metas)
+    own, sites, used = [], set(), [False] * len(pulled.out_avals)
+    for slot, meta, (start, stop) in zip(_slots(metas), metas, outs, strict=True):
+        avals = tuple(pulled.out_avals[start:stop])
+        leaves = [i in range(start, stop) for i in range(len(pulled.out_avals))]
+        _, reads = _compat.dce(pulled.jaxpr, leaves)
+        if any(reads[num_primals:]):
+            continue  # a derivative: left to a `pull` around the differentiation
+        sites.add((meta.name, meta.location))
+        if slot in slots and (meta.reduce is not None or slots[slot] == avals):
+            continue  # the primal's own mark, repeated by a rule that calls it
+        own.append(meta)
+        used[start:stop] = [True] * (stop - start)
+    if not own:
+        return _RuleMarks(None, (), frozenset(sites))
+    keep = [True] * num_primals + [False] * (len(pulled.in_avals) - num_primals)
+    jaxpr, _ = _compat.dce(pulled.jaxpr, used, keep)
+    return _RuleMarks(jex.ClosedJaxpr(jaxpr, pulled.consts), tuple(own), frozenset(sites))
+
+
+_CUSTOM = (custom_jvp_call_p, custom_vjp_call_p)
+_AS_PRIMAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_primal(jaxpr):
+    """`jaxpr` (open or closed) with every custom-derivative call in it, at any depth, a
+    `closed_call` of its primal: a rule as it runs when differentiated once (the rules of the
+    functions it calls run only under a second differentiation), and without the recursion of
+    a rule that calls its own function."""
+    if _compat.wraps_jaxpr(jaxpr):
+        new = _as_primal(jaxpr.jaxpr)
+        return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
+    new = _AS_PRIMAL.get(jaxpr)
+    if new is None:
+        new = _AS_PRIMAL[jaxpr] = jaxpr.replace(eqns=[_eqn_as_primal(e) for e in jaxpr.eqns])
+    return new
+
+
+def _eqn_as_primal(eqn: jex.JaxprEqn) -> jex.JaxprEqn:
+    if eqn.primitive in _CUSTOM:
+        primal = _as_primal(params.custom_primal(eqn.params))
+        return eqn.replace(
+            primitive=jex.primitives.closed_call_p,
+            params={"call_jaxpr": primal},
+            effects=primal.effects,
+        )
+    return eqn.replace(params=map_jaxprs(eqn.params, _as_primal))
+
+
+def _jaxpr_marks(jaxpr) -> list[StateMeta]:
+    """The marks of `jaxpr` and of the jaxprs in its equations' params, not looking into the
+    Python impls of primitives (tracing each would cost as much as tracing the program)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is save_inter_p:
+            if acts_on(eqn.params):
+                found.append(eqn.params["meta"])
+        else:
+            for sub in params.jaxprs_in_params(eqn.params):
+                found.extend(_jaxpr_marks(sub))
+    return found
+
+
+def _slots(metas) -> list[tuple[str, int]]:
+    """`(name, occurrence)` of each meta, occurrences counted per name in order."""
+    seen: Counter = Counter()
+    slots = []
+    for meta in metas:
+        slots.append((meta.name, seen[meta.name]))
+        seen[meta.name] += 1
+    return slots
+
+
+def _leaf_ranges(start: int, metas) -> list[tuple[int, int]]:
+    ranges = []
+    for meta in metas:
+        ranges.append((start, start + meta.num_arrays))
+        start += meta.num_arrays
+    return ranges
+
+
+def _leaf_avals(jaxpr, metas) -> list[tuple]:
+    avals = jaxpr.out_avals
+    n = len(avals) - sum(m.num_arrays for m in metas)
+    return [tuple(avals[a:b]) for a, b in _leaf_ranges(n, metas)]
 
 
 def _exposer(primitive, rule):
@@ -28,15 +196,28 @@ def _exposer(primitive, rule):
         # The equation as it was, its marks inert (an enclosing `pull` must not see them again).
         primal = params.custom_primal(eqn_params)
         kept = params.custom_params(eqn_params, inert(primal))
+        marks = _rule_marks(eqn_params)
+        if marks.sites:
+            sites = marks.sites
+            kept = _compat.custom_rule_params(
+                kept, lambda jaxpr: inert(jaxpr, lambda m: (m.name, m.location) in sites)
+            )
 
         def original(*args):
             return tuple(bind(primitive, args, kept))
 
-        return pulled_with_rule(original, primal, args, rule=rule)
+        extra = (marks.jaxpr, marks.metas) if marks.metas else None
+        return pulled_with_rule(original, primal, args, rule=rule, extra=extra)
 
     return exposer
 
 
-register_handler(custom_jvp_call_p, handler_from_exposer(_exposer(custom_jvp_call_p, "jvp")))
-# A custom_vjp function has no JVP to call: the rewritten one is a custom_vjp too.
-register_handler(custom_vjp_call_p, handler_from_exposer(_exposer(custom_vjp_call_p, "vjp")))
+def _find_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+    return (*find_saves(params.custom_primal(eqn.params)), *_rule_marks(eqn.params).metas)
+
+
+for _primitive, _rule in ((custom_jvp_call_p, "jvp"), (custom_vjp_call_p, "vjp")):
+    # A custom_vjp function has no JVP to call: the rewritten one is a custom_vjp too.
+    register_handler(
+        _primitive, handler_from_exposer(_exposer(_primitive, _rule)), find_saves=_find_saves
+    )

@@ -52,22 +52,25 @@ clip_grad.defvjp(_fwd, _bwd)
 
 
 def test_custom_vjp_values_of_primal_fwd_and_bwd():
+    # fwd's own mark has its key in every order: zeros where fwd does not run (undifferentiated,
+    # as a cond branch not taken), its value where it does.
+    expected = {"primal_0": jnp.tanh(X), "fwd_0": jnp.tanh(X) * 10}
     out, inters = stx.pull(clip_grad)(X)
-    assert_tree_allclose(inters, {"primal_0": jnp.tanh(X)})
-    assert_tree_allclose(stx.pull(jax.jit(clip_grad))(X)[1], {"primal_0": jnp.tanh(X)})
+    assert_tree_allclose(inters, {"primal_0": jnp.tanh(X), "fwd_0": jnp.zeros(3)})
+    assert_tree_allclose(stx.pull(jax.jit(clip_grad))(X)[1], inters)
     # Under an inner grad: what JAX runs, fwd and bwd.
     grad, inters = stx.pull(jax.grad(clip_grad))(X)
     assert_tree_allclose(grad, jnp.full(3, 7.0))
     assert_tree_allclose(inters, {"fwd_0": jnp.tanh(X) * 10, "bwd_0": 3.0})
-    # Outer grad: the custom rule still governs; the primal's values come out.
+    # Outer grad: the custom rule still governs; the primal's and fwd's values come out.
     grad, inters = jax.grad(stx.pull(clip_grad), has_aux=True)(X)
     assert_tree_allclose(grad, jnp.full(3, 7.0))
-    assert_tree_allclose(inters, {"primal_0": jnp.tanh(X)})
+    assert_tree_allclose(inters, expected)
 
 
 def test_custom_vjp_under_vmap_both_orders():
     xs = jnp.stack([X, X * 2])
-    expected = {"primal_0": jnp.tanh(xs)}
+    expected = {"primal_0": jnp.tanh(xs), "fwd_0": jnp.zeros_like(xs)}
     assert_tree_allclose(stx.pull(jax.vmap(clip_grad))(xs)[1], expected)
     assert_tree_allclose(jax.vmap(stx.pull(clip_grad))(xs)[1], expected)
 
@@ -89,3 +92,111 @@ def test_custom_root():
 
     assert_tree_allclose(stx.pull(f)(X), (X, {"root_0": X}))
     assert_tree_allclose(stx.pull(jax.jit(f))(X), (X, {"root_0": X}))
+
+
+# ---- marks in a custom rule: found in both orders (issue 14, item 3) ------------------------
+
+
+@jax.custom_jvp
+def rule_marked(x):
+    return jnp.sin(x)
+
+
+@rule_marked.defjvp
+def _rule_marked_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    stx.save_inter(x * 2.0, name="x")  # depends on the primal only
+    stx.save_inter(t * 3.0, name="t")  # a derivative: depends on the tangent
+    return x, t * 2.0  # deliberately not sin's
+
+
+def rule_marked_ref(x):
+    """`rule_marked` by hand: the function, and its rule's mark, zero where the rule does not
+    run (undifferentiated, as a cond branch not taken)."""
+    return jnp.sin(x), {"x_0": jnp.zeros_like(x)}
+
+
+def test_custom_jvp_rule_mark_in_both_orders_of_jvp():
+    x, t = jnp.float32(2.0), jnp.float32(1.0)
+    # What JAX runs under jvp: the rule, whose marks a pull around it collects.
+    (out, dout), inters = stx.pull(lambda x, t: jax.jvp(rule_marked, (x,), (t,)))(x, t)
+    assert_tree_allclose((out, dout, inters), (x, 2 * t, {"x_0": 2 * x, "t_0": 3 * t}))
+    # The other order: the rule's primal mark, with a zero tangent; the tangent's mark is a
+    # derivative, which only a pull around the differentiation sees.
+    for g in (stx.pull(rule_marked), jax.jit(stx.pull(rule_marked))):
+        (out, inters), (dout, dinters) = jax.jvp(g, (x,), (t,))
+        assert_tree_allclose((out, dout), (x, 2 * t))
+        assert_tree_allclose((inters, dinters), ({"x_0": 2 * x}, {"x_0": 0.0 * x}))
+    # Undifferentiated, the same keys; the rule does not run.
+    check_pull(rule_marked, rule_marked_ref, x, transforms=("plain", "jit", "vmap"))
+
+
+def test_custom_jvp_rule_mark_under_grad_and_vmap_in_both_orders():
+    xs = jnp.array([0.5, 2.0])
+    # grad: the rule governs (d/dx = 2); the rule's mark is the primal's value in both orders.
+    for g in (
+        jax.grad(stx.pull(rule_marked), has_aux=True),
+        stx.pull(jax.grad(rule_marked)),
+    ):
+        grads, inters = jax.vmap(g)(xs)
+        assert_tree_allclose(grads, jnp.full(2, 2.0))
+        assert_tree_allclose(inters, {"x_0": 2 * xs})
+    # grad, vmapped inside pull.
+    grads, inters = stx.pull(jax.vmap(jax.grad(rule_marked)))(xs)
+    assert_tree_allclose((grads, inters), (jnp.full(2, 2.0), {"x_0": 2 * xs}))
+    # jvp of a vmapped pull and pull of a vmapped jvp agree.
+    ts = jnp.ones(2)
+    a = jax.jvp(jax.vmap(stx.pull(rule_marked)), (xs,), (ts,))[0][1]
+    b = stx.pull(jax.vmap(lambda x, t: jax.jvp(rule_marked, (x,), (t,))))(xs, ts)[1]
+    assert_tree_allclose(a, {"x_0": 2 * xs})
+    assert_tree_allclose(b, {"x_0": 2 * xs, "t_0": 3 * ts})
+
+
+@jax.custom_jvp
+def calls_itself(x):
+    return jnp.tanh(stx.save_inter(x + 1.0, name="p"))
+
+
+@calls_itself.defjvp
+def _calls_itself_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    y = calls_itself(x)  # the primal again: its mark is the primal's, not a new one
+    return y, stx.save_inter(1 - y**2, name="slope") * t
+
+
+def test_custom_jvp_rule_that_calls_its_function_repeats_no_mark():
+    x, t = jnp.float32(0.3), jnp.float32(1.0)
+    y = jnp.tanh(x + 1)
+    expected = {"p_0": x + 1, "slope_0": 1 - y**2}
+    assert_tree_allclose(stx.pull(calls_itself)(x)[1], {"p_0": x + 1, "slope_0": 0.0})
+    (_, inters), (_, dinters) = jax.jvp(stx.pull(calls_itself), (x,), (t,))
+    assert_tree_allclose(inters, expected)
+    assert_tree_allclose(dinters, {"p_0": 0.0, "slope_0": 0.0})
+    grad, inters = jax.grad(stx.pull(calls_itself), has_aux=True)(x)
+    assert_tree_allclose((grad, inters), (1 - y**2, expected))
+
+
+def test_nested_pull_does_not_collect_rule_marks_twice():
+    def outer(x, t):
+        (y, inters), _ = jax.jvp(stx.pull(rule_marked), (x,), (t,))
+        return y + inters["x_0"]
+
+    x, t = jnp.float32(2.0), jnp.float32(1.0)
+    # The tangent's mark runs in the inner rule, inside the outer pull: it collects it once.
+    assert_tree_allclose(stx.pull(outer)(x, t), (3 * x, {"t_0": 3 * t}))
+
+
+def test_custom_vjp_fwd_and_bwd_marks_under_an_outer_vjp():
+    out, vjp = jax.vjp(stx.pull(clip_grad), X)
+    expected = {"primal_0": jnp.tanh(X), "fwd_0": jnp.tanh(X) * 10}
+    assert_tree_allclose(out, (jnp.sum(jnp.tanh(X)), expected))
+    (ct,) = vjp((jnp.float32(1.0), jax.tree.map(jnp.zeros_like, expected)))
+    assert_tree_allclose(ct, jnp.full(3, 7.0))  # the custom bwd
+
+    # bwd runs when the cotangent is known, after `pull` has returned: a pull around the
+    # differentiation collects it (once: fwd's mark was the inner pull's).
+    def outer(x):
+        return jax.grad(lambda x: stx.pull(clip_grad)(x)[0])(x)
+
+    grad, inters = stx.pull(outer)(X)
+    assert_tree_allclose((grad, inters), (jnp.full(3, 7.0), {"bwd_0": 3.0}))

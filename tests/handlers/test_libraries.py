@@ -186,15 +186,23 @@ def test_optimistix_residual():
     a = jnp.linspace(-0.5, 0.5, 8)
     y, inters = stx.pull(newton)(a)
     np.testing.assert_allclose(y, jnp.arctanh(a), rtol=1e-5, atol=1e-6)
-    assert set(inters) == {"r_0"}
-    # The residual at the last Newton iterate evaluated: small, and the library's own residual.
+    # r_0: the residual at the last Newton iterate evaluated. r_1, r_2: the residual at the
+    # root as optimistix's implicit-function JVP rule evaluates it, zeros unless differentiated
+    # (`pull` keys a rule's marks in every order, so that `jax.jvp(pull(newton))` has them).
+    assert set(inters) == {"r_0", "r_1", "r_2"}
     assert float(jnp.max(jnp.abs(inters["r_0"]))) < 1e-4
-    assert count_eqns(stx.pull(newton), a, primitive="tanh") == count_eqns(
-        newton, a, primitive="tanh"
-    )
+    assert not jnp.any(inters["r_1"]) and not jnp.any(inters["r_2"])
+    # As many residual evaluations compiled as unpulled: the rule's marks are not computed
+    # where the rule does not run (its program is traced, for their types, and compiled away).
+    assert count_ops(stx.pull(newton), a, op="tanh") == count_ops(newton, a, op="tanh")
     assert count_ops(stx.pull(newton), a, op="while") == count_ops(newton, a, op="while")
-    g = jax.grad(lambda a: (jnp.sum(stx.pull(newton)(a)[0]), None), has_aux=True)(a)[0]
+    g, inters = jax.grad(
+        lambda a: (lambda out, inters: (jnp.sum(out), inters))(*stx.pull(newton)(a)), has_aux=True
+    )(a)
     np.testing.assert_allclose(g, 1 / (1 - a**2), rtol=1e-4)
+    # Differentiated, the rule runs: its marks are the residual at the root.
+    for key in ("r_1", "r_2"):
+        np.testing.assert_allclose(inters[key], jnp.tanh(y) - a, atol=1e-6)
 
 
 def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint():
