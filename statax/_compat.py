@@ -65,6 +65,7 @@ __all__ = [
     "hi_expand",
     "hi_jaxprs",
     "jaxprs_in_params",
+    "jit_call_params",
     "jit_jaxpr",
     "jit_params",
     "linear_solve_params",
@@ -410,6 +411,19 @@ def jit_params(params: dict, jaxpr: jex.ClosedJaxpr) -> dict:
         in_layouts=(*params["in_layouts"], *(None,) * i),
         donated_invars=(*params["donated_invars"], *(False,) * i),
     )
+
+
+@functools.cache
+def _empty_jit_params() -> dict:
+    (eqn,) = jax.make_jaxpr(jax.jit(lambda: ()))().eqns
+    return dict(eqn.params)
+
+
+def jit_call_params(jaxpr: jex.ClosedJaxpr, name: str) -> dict:
+    """The params of a new `jit` equation that calls `jaxpr` (unspecified shardings, default
+    layouts, nothing donated, not inlined): binding `JIT_PRIMITIVE` with them stages one
+    equation into a trace, where evaluating `jaxpr` would stage each of its equations again."""
+    return dict(jit_params(_empty_jit_params(), jaxpr), name=name, inline=False)
 
 
 def call_jaxpr(params: dict):

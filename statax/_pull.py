@@ -40,6 +40,7 @@ class _Entry(NamedTuple):
     ins: tuple[StateMeta, ...]  # what the rewritten jaxpr takes in (planted marks)
     in_avals: tuple
     plans: dict  # ran -> how the flat intermediates become the named dict
+    call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -158,7 +159,12 @@ def arguments_key(leaves: list, treedef) -> tuple[list, list, tuple]:
 def _evaluate(
     entry: _Entry, args: Sequence, ran: bool, remark: bool = False
 ) -> tuple[Any, dict[str, Any]]:
-    flat = jex.jaxpr_as_fun(entry.jaxpr)(*args)
+    if entry.call is not None and any(isinstance(x, jax.core.Tracer) for x in args):
+        # In a trace, one equation (as a `jax.jit` of the function would be): evaluating the
+        # jaxpr would stage each of its equations again, doubling the cost of tracing.
+        flat = _compat.JIT_PRIMITIVE.bind(*args, **entry.call)
+    else:
+        flat = jex.jaxpr_as_fun(entry.jaxpr)(*args)
     if remark:
         mark(flat[entry.num_out :], entry.metas)
     if entry.literals:  # a constant comes back as an array, whatever JAX's literal is
@@ -287,7 +293,15 @@ def _trace(call, leaves, treedef, traced, only) -> _Entry:
     )
     in_avals = tuple(new.in_avals[len(dynamic) :])
     n = len(closed.jaxpr.outvars)
-    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {})
+    escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
+    call_params = None if escaped else _compat.jit_call_params(new, _name_of(call))
+    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {}, call_params)
+
+
+def _name_of(call) -> str:
+    """`"pull(f)"`, the name of the `jit` equation that calls the rewritten `f`."""
+    fn = call.args[0] if isinstance(call, functools.partial) else call
+    return f"pull({getattr(fn, '__name__', type(fn).__name__)})"
 
 
 def unflatten_out(entry, arrays: Sequence) -> Any:

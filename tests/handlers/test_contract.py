@@ -62,7 +62,10 @@ def test_a_handler_that_adds_an_input():
         # Planting: the planted mark takes its choice and value in, through the primitive.
         planted = lambda x, v: stx.plant(f)({"h_0": v}, x)  # noqa: E731
         assert_tree_allclose(planted(x, value), (jnp.sin(value) + 1) * 3)
-        (eqn,) = [e for e in jax.make_jaxpr(planted)(x, value).eqns if e.primitive is once_call_p]
+        (call,) = jax.make_jaxpr(planted)(x, value).eqns  # the pulled function, one jit
+        (eqn,) = [
+            e for e in extend.params.jit_jaxpr(call.params).eqns if e.primitive is once_call_p
+        ]
         assert len(eqn.invars) == 3 and len(eqn.outvars) == 2  # x, choice, value; out, h
     finally:
         extend.unregister_handler(once_call_p)
