@@ -85,6 +85,11 @@ class _Pulled(eqx.Module):
         except (TypeError, ValueError):  # a callable without one (some builtins)
             return None
 
+    @property
+    def __wrapped__(self) -> Callable:
+        """`fn`, where JAX names a traced function (`inspect.unwrap`): cheaper than the repr."""
+        return self.fn
+
     def __call__(self, *args, **kwargs):
         return call_pulled(self, args, kwargs)
 
