@@ -421,9 +421,10 @@ def _empty_jit_params() -> dict:
 
 def jit_call_params(jaxpr: jex.ClosedJaxpr, name: str) -> dict:
     """The params of a new `jit` equation that calls `jaxpr` (unspecified shardings, default
-    layouts, nothing donated, not inlined): binding `JIT_PRIMITIVE` with them stages one
-    equation into a trace, where evaluating `jaxpr` would stage each of its equations again."""
-    return dict(jit_params(_empty_jit_params(), jaxpr), name=name, inline=False)
+    layouts, nothing donated, `inline` as `jax.jit` has it: `False` before JAX 0.12,
+    `Inline.AUTO` since): binding `JIT_PRIMITIVE` with them stages one equation into a trace,
+    where evaluating `jaxpr` would stage each of its equations again."""
+    return dict(jit_params(_empty_jit_params(), jaxpr), name=name)
 
 
 def call_jaxpr(params: dict):
