@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex
 
 from . import _compat, _nnx, _plant, _reduce
@@ -176,8 +175,6 @@ def _evaluate(
         flat = list(flat)
         for i, dtype in entry.literals:
             flat[i] = jnp.asarray(flat[i], dtype)
-    if any(isinstance(x, np.ndarray) for x in flat):  # a constant from an inner call
-        flat = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in flat]
     n = entry.num_out
     inters = _name(entry.metas, flat[n:], ran, entry.plans)
     return unflatten_out(entry, flat[:n]), inters

@@ -48,6 +48,7 @@ from ..extend import (
     pulled_with_rule,
     register_handler,
     save_inter_p,
+    split_leaves,
 )
 
 
@@ -103,12 +104,14 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
     primal = pull_jaxpr(params.custom_primal(eqn_params))
     num_primals = _compat.custom_rule_inputs(eqn_params)
     # The primal's slots: (name, occurrence) -> the avals of its leaves.
-    slots = dict(zip(_slots(primal.outs), _leaf_avals(primal.jaxpr, primal.outs), strict=True))
-    outs = _leaf_ranges(len(rule.out_avals), metas)
+    primal_avals = tuple(primal.jaxpr.out_avals[len(params.custom_primal(eqn_params).out_avals) :])
+    slots = dict(zip(_slots(primal.outs), split_leaves(primal_avals, primal.outs), strict=True))
+    outs = split_leaves(range(len(rule.out_avals), len(pulled.out_avals)), metas)
     own, sites, used = [], set(), [False] * len(pulled.out_avals)
-    for slot, meta, (start, stop) in zip(_slots(metas), metas, outs, strict=True):
+    for slot, meta, out in zip(_slots(metas), metas, outs, strict=True):
+        start, stop = out.start, out.stop
         avals = tuple(pulled.out_avals[start:stop])
-        leaves = [i in range(start, stop) for i in range(len(pulled.out_avals))]
+        leaves = [i in out for i in range(len(pulled.out_avals))]
         _, reads = _compat.dce(pulled.jaxpr, leaves)
         if any(reads[num_primals:]):
             continue  # a derivative: left to a `pull` around the differentiation
@@ -175,20 +178,6 @@ def _slots(metas) -> list[tuple[str, int]]:
         slots.append((meta.name, seen[meta.name]))
         seen[meta.name] += 1
     return slots
-
-
-def _leaf_ranges(start: int, metas) -> list[tuple[int, int]]:
-    ranges = []
-    for meta in metas:
-        ranges.append((start, start + meta.num_arrays))
-        start += meta.num_arrays
-    return ranges
-
-
-def _leaf_avals(jaxpr, metas) -> list[tuple]:
-    avals = jaxpr.out_avals
-    n = len(avals) - sum(m.num_arrays for m in metas)
-    return [tuple(avals[a:b]) for a, b in _leaf_ranges(n, metas)]
 
 
 def _exposer(primitive, rule):
