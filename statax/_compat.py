@@ -19,6 +19,7 @@ import jax
 from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
+from jax._src import api_util  # isort: skip
 from jax._src import config as jax_config  # isort: skip
 from jax._src import core, dispatch, source_info_util  # isort: skip
 from jax._src import effects as effects_lib  # isort: skip
@@ -254,13 +255,30 @@ def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> Non
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
-def trace(fn: Callable, in_avals: Sequence[Any], name: str = "statax") -> jex.ClosedJaxpr:
+def trace(
+    fn: Callable, in_avals: Sequence[Any], name: str = "statax", source: Callable | None = None
+) -> jex.ClosedJaxpr:
     """Trace `fn(*args) -> list of arrays` at exactly `in_avals` (shardings, manual axes and
-    weak types included, which `jax.make_jaxpr` of `ShapeDtypeStruct`s would not keep)."""
-    debug_info = lu.DebugInfo("statax", name, None, None)
+    weak types included, which `jax.make_jaxpr` of `ShapeDtypeStruct`s would not keep), without
+    `jax.make_jaxpr`'s work around the trace (a `jit` object, argument names from a signature).
+    With `source`, JAX's messages name that function (`"f at file.py:3"`) rather than `name`."""
+    where = name if source is None else api_util.fun_sourceinfo(source)
+    debug_info = lu.DebugInfo(name, where, None, None)
     wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def current_trace() -> Any:
+    """The trace that a `bind` now goes to (`jax._src.core.trace_ctx.trace` in JAX 0.8 -- 0.12)."""
+    return core.trace_ctx.trace
+
+
+def trace_length(trace: Any) -> int:
+    """How many equations `trace`, a jaxpr trace of `trace` above, has staged so far: the
+    position in its jaxpr of the next one. `trace` (no auto-DCE) keeps them all, in order
+    (`DynamicJaxprTrace.frame.tracing_eqns` in JAX 0.8 -- 0.12)."""
+    return len(trace.frame.tracing_eqns)
 
 
 def new_equation(

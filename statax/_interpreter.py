@@ -55,6 +55,7 @@ __all__ = [
     "mark",
     "on_forget",
     "only_in",
+    "pull_collected",
     "pull_jaxpr",
     "pull_open_jaxpr",
     "pulled_with_rule",
@@ -344,9 +345,49 @@ def _pull_closed(closed_jaxpr) -> Rewritten:
     jaxpr, outs, ins = pull_open_jaxpr(closed_jaxpr.jaxpr)
     if jaxpr is closed_jaxpr.jaxpr:
         return Rewritten(closed_jaxpr)
+    return _folded(jaxpr, closed_jaxpr.consts, outs, ins)
+
+
+def _folded(jaxpr: jex.Jaxpr, consts, outs, ins=()) -> Rewritten:
     if any(m.reduce is not None for m in outs):
         jaxpr, outs = _fold_reduced(jaxpr, outs)
-    return Rewritten(jex.ClosedJaxpr(jaxpr, closed_jaxpr.consts), outs, ins)
+    return Rewritten(jex.ClosedJaxpr(jaxpr, consts), tuple(outs), tuple(ins))
+
+
+def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, StateMeta]]):
+    """`pull_jaxpr` for a jaxpr traced with a `Collector`: its last outputs are the leaves of
+    the marks the collector took (`(position, meta)` each, see `Collector`), and the marks
+    that the walk finds in its equations go among them by position."""
+    if not marks:
+        return pull_jaxpr(closed_jaxpr)
+    jaxpr = closed_jaxpr.jaxpr
+    metas = [meta for _, meta in marks]
+    num_out = len(jaxpr.outvars) - sum(m.num_arrays for m in metas)
+    if not find_saves(jaxpr):  # every mark was collected: the jaxpr already returns them
+        names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
+        debug_info = _compat.extend_debug_info(jaxpr.debug_info, names, keep=num_out)
+        return _folded(jaxpr.replace(debug_info=debug_info), closed_jaxpr.consts, metas)
+    # Put each collected mark back where it was made, as the equation a bind would have
+    # staged, and walk the whole.
+    eqns: list[jex.JaxprEqn] = []
+    leaves = iter(jaxpr.outvars[num_out:])
+    done = 0
+    for position, meta in marks:
+        eqns.extend(jaxpr.eqns[done:position])
+        done = position
+        invars = [next(leaves) for _ in range(meta.num_arrays)]
+        outvars = [jex.Var(x.aval) for x in invars]
+        params = {"meta": meta, "status": COLLECTING}
+        eqns.append(
+            _compat.new_equation(invars, outvars, save_inter_p, params, {_compat.SAVE_EFFECT})
+        )
+    eqns.extend(jaxpr.eqns[done:])
+    restored = jaxpr.replace(
+        eqns=eqns,
+        outvars=jaxpr.outvars[:num_out],
+        debug_info=_compat.extend_debug_info(jaxpr.debug_info, [], keep=num_out),
+    )
+    return pull_jaxpr(jex.ClosedJaxpr(restored, closed_jaxpr.consts))
 
 
 def _fold_reduced(jaxpr: jex.Jaxpr, metas):

@@ -15,16 +15,19 @@ that is saved). Two things keep a mark alive where JAX would otherwise lose or r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import sys
 from typing import TypeVar
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
 from . import _compat
-from ._meta import StateMeta, split
+from ._meta import ARRAY, StateMeta, split
 from ._reduce import MODES
 
 # A mark's `status` param, one of three:
@@ -107,18 +110,85 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     name = _compat.SCOPE.value + name
-    treedef, static, arrays = split(value)
-    meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
-    status = IDLE
-    if _compat.PULLING.value:
-        planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
-        if planting is not None and name in planting.names and arrays:
-            arrays = planting.plant(meta, arrays, value)
-        status = COLLECTING
-        selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
-        if selection is not None and not selection(meta):
-            status = INERT
+    if isinstance(value, jax.Array):  # the common case, without flattening
+        arrays = [value]
+        meta = _array_meta(name, _caller_location(), reduce)
+    else:
+        treedef, static, arrays = split(value)
+        meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
+    if not _compat.PULLING.value:
+        return meta.unflatten(save_inter_p.bind(*arrays, meta=meta, status=IDLE))
+    planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
+    if planting is not None and name in planting.names and arrays:
+        arrays = planting.plant(meta, arrays, value)
+        value = meta.unflatten(arrays)
+    status = COLLECTING
+    selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
+    if selection is not None and not selection(meta):
+        status = INERT
+    collector = _COLLECTOR.get()
+    if collector is not None and collector.trace is _compat.current_trace():
+        if status == COLLECTING:  # at the pull's own level: handed over, no equation
+            collector.add(meta, arrays)
+        return value
     return meta.unflatten(save_inter_p.bind(*arrays, meta=meta, status=status))
+
+
+_ARRAY_METAS: dict[tuple, StateMeta] = {}
+
+
+def _array_meta(name: str, location: str, reduce: str | None) -> StateMeta:
+    """The meta of a mark on one array (made once per site and name: metas are immutable)."""
+    key = (name, location, reduce)
+    meta = _ARRAY_METAS.get(key)
+    if meta is None:
+        if len(_ARRAY_METAS) >= 4096:  # names made on the fly: keep it bounded
+            _ARRAY_METAS.clear()
+        meta = _ARRAY_METAS[key] = StateMeta(name, _LEAF, (ARRAY,), location, reduce=reduce)
+    return meta
+
+
+_LEAF = jax.tree_util.tree_structure(0)
+
+
+class Collector:
+    """The marks a `pull` collects at its own level, in the trace of the function it pulls:
+    `save_inter` hands them over as they are made (`collecting`), rather than binding
+    `save_inter_p`, so that they cost what returning them by hand costs. Marks anywhere else
+    (inside a `jit`, a loop body, a `vmap`, a derivative) are bound, and found by the walk.
+
+    Attributes:
+        trace: the pull's trace (set once it runs); marks made in any other go unclaimed.
+        marks: `(position, meta)` per mark, in order, `position` being how many equations the
+            trace held when it was made, so that the walk can put it among the marks it finds.
+        leaves: the marks' array leaves, flat, in order.
+    """
+
+    __slots__ = ("leaves", "marks", "trace")
+
+    def __init__(self):
+        self.trace = None
+        self.marks: list[tuple[int, StateMeta]] = []
+        self.leaves: list = []
+
+    def add(self, meta: StateMeta, arrays: list) -> None:
+        self.marks.append((_compat.trace_length(self.trace), meta))
+        self.leaves.extend(arrays)
+
+
+_COLLECTOR: contextvars.ContextVar[Collector | None] = contextvars.ContextVar(
+    "statax_collector", default=None
+)
+
+
+@contextlib.contextmanager
+def collecting(collector: Collector):
+    """Within, marks made at `collector.trace`'s level go to `collector`."""
+    token = _COLLECTOR.set(collector)
+    try:
+        yield collector
+    finally:
+        _COLLECTOR.reset(token)
 
 
 def batch_first(axis_size: int, vals, dims) -> list:

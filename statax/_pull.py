@@ -19,8 +19,9 @@ from jax.extend import core as jex
 
 from . import _compat, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
-from ._interpreter import mark, on_forget, pull_jaxpr, selecting, take
+from ._interpreter import mark, on_forget, pull_collected, selecting, take
 from ._meta import StateMeta, hashable, keys_of
+from ._primitive import Collector, collecting
 
 __all__ = ["pull"]
 
@@ -68,13 +69,22 @@ def _call_tree(tree, *args, **kwargs):
     return tree(*args, **kwargs)
 
 
-class _Pulled(eqx.Module):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["fn"],
+    meta_fields=["only", "enabled", "summarize", "ran", "planting"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Pulled:
+    """What `pull` returns: a pytree whose leaves are `fn`'s (as an `eqx.Module`'s would be),
+    with plain attributes, which a call reads without `eqx.Module`'s per-access work."""
+
     fn: Callable
-    only: Any = eqx.field(static=True)
-    enabled: bool = eqx.field(static=True)
-    summarize: Any = eqx.field(static=True)
-    ran: bool = eqx.field(static=True, default=False)
-    planting: Any = eqx.field(static=True, default=None)  # for `plant`: a `_plant.Planting`
+    only: Any
+    enabled: bool
+    summarize: Any
+    ran: bool = False
+    planting: Any = None  # for `plant`: a `_plant.Planting`
 
     @property
     def __signature__(self) -> inspect.Signature | None:
@@ -139,7 +149,7 @@ def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
     key = (only, *key)
     entry = lookup(root, key)
     if entry is None:
-        entry = _trace(call, leaves, treedef, traced, only)
+        entry = _trace(root, call, leaves, treedef, traced, only)
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
             store(root, key, entry)
     return entry, dynamic
@@ -281,29 +291,38 @@ def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
     return flat_fn
 
 
-def _trace(call, leaves, treedef, traced, only) -> _Entry:
+def _trace(root, call, leaves, treedef, traced, only) -> _Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
+    collector = Collector()
+
+    def traced(*args):
+        collector.trace = _compat.current_trace()
+        outs = flat_fn(*args)
+        collector.trace = None  # (a mark made once the function has returned is not its own)
+        return [*outs, *collector.leaves]
+
+    source = root.__call__ if isinstance(root, type) else root
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
-        with _compat.PULLING(True):
-            closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        new, metas, ins = pull_jaxpr(closed)
+        with _compat.PULLING(True), collecting(collector):
+            closed = _compat.trace(traced, list(map(jax.typeof, dynamic)), "pull", source)
+        new, metas, ins = pull_collected(closed, collector.marks)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )
     in_avals = tuple(new.in_avals[len(dynamic) :])
-    n = len(closed.jaxpr.outvars)
+    n = len(closed.jaxpr.outvars) - len(collector.leaves)
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
-    call_params = None if escaped else _compat.jit_call_params(new, _name_of(call))
+    call_params = None if escaped else _compat.jit_call_params(new, _name_of(root))
     return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {}, call_params)
 
 
-def _name_of(call) -> str:
-    """`"pull(f)"`, the name of the `jit` equation that calls the rewritten `f`."""
-    fn = call.args[0] if isinstance(call, functools.partial) else call
-    return f"pull({getattr(fn, '__name__', type(fn).__name__)})"
+def _name_of(root) -> str:
+    """`"pull(f)"`, the name of the `jit` equation that calls the rewritten `f` (`root`, as
+    `_split_callable` gives it: a module's class, a method's function)."""
+    return f"pull({getattr(root, '__name__', type(root).__name__)})"
 
 
 def unflatten_out(entry, arrays: Sequence) -> Any:

@@ -261,8 +261,8 @@ def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
     import statax._pull as pull_module
 
     calls = []
-    original = pull_module.pull_jaxpr
-    monkeypatch.setattr(pull_module, "pull_jaxpr", lambda j: calls.append(1) or original(j))
+    original = pull_module.pull_collected
+    monkeypatch.setattr(pull_module, "pull_collected", lambda *a: calls.append(1) or original(*a))
 
     def f(x):
         return stx.save_inter(x + 1)
