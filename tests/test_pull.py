@@ -39,6 +39,37 @@ def test_keys_count_each_name_in_program_order():
     assert list(inters) == ["h_0", "h_1", "stats_0"]
 
 
+@jax.jit
+def _doubled(z):
+    return stx.save_inter(z * 2, name="a")
+
+
+def test_marks_at_the_top_level_and_inside_equations_count_in_program_order():
+    # pull takes the marks at its own level as they are made, and finds the others in the
+    # equations that hold them (a jit, a scan, a vmap's batched mark, a cached jit): one
+    # count per name across both, in program order.
+    def f(x):
+        stx.save_inter(x, name="a")
+        y = _doubled(x)
+        stx.save_inter(y + 1, name="a")
+        z = jax.vmap(lambda t: stx.save_inter(t * 3, name="a"))(x)
+        c, _ = lax.scan(lambda c, t: (stx.save_inter(c + t, name="b"), None), 0.0, x)
+        stx.save_inter(z + c, name="b")
+        return jnp.sum(_doubled(z))
+
+    def ref(x):
+        c = jnp.cumsum(x)
+        inters = {"a_0": x, "a_1": 2 * x, "a_2": 2 * x + 1, "a_3": 3 * x}
+        inters.update({"b_0": c, "b_1": 3 * x + c[-1], "a_4": 6 * x})  # a scan stacks
+        return jnp.sum(6 * x), inters
+
+    for _ in range(2):  # the second time, `_doubled`'s trace comes from jit's cache
+        out, inters = stx.pull(f)(X)
+        assert_tree_allclose((out, inters), ref(X))
+        assert list(inters) == list(ref(X)[1])
+    check_pull(f, ref, X)
+
+
 def test_keys_stay_unique_when_user_names_look_generated():
     def f(x):
         stx.save_inter(x, name="y")
