@@ -281,6 +281,13 @@ def trace_length(trace: Any) -> int:
     return len(trace.frame.tracing_eqns)
 
 
+def abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:
+    """`(out_avals, effects)` of `prim` bound with `params` on `in_avals` (as a list, for
+    primitives with one result too), without a trace."""
+    out_avals, effects = prim.abstract_eval(*in_avals, **params)
+    return (list(out_avals) if prim.multiple_results else [out_avals]), effects
+
+
 def new_equation(
     invars: Sequence[Any], outvars: Sequence[Any], prim: jex.Primitive, params: dict, effects
 ) -> jex.JaxprEqn:
@@ -641,12 +648,22 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
 
 
+# Callable objects in params that are not code (a `jit` equation's `ctx_mesh` is a `Mesh`,
+# which is callable).
+_NOT_CODE = (
+    type,
+    jex.Primitive,
+    jex.Jaxpr,
+    jex.ClosedJaxpr,
+    jax.sharding.Mesh,
+    jax.sharding.AbstractMesh,
+)
+
+
 def _holds_callable(value) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_holds_callable(v) for v in value)
-    return callable(value) and not isinstance(
-        value, (type, jex.Primitive, jex.Jaxpr, jex.ClosedJaxpr)
-    )
+    return callable(value) and not isinstance(value, _NOT_CODE)
 
 
 def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any], impl: Callable | None = None) -> list:

@@ -97,7 +97,7 @@ def is_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
 def _loop_carry(init: Sequence[Any]) -> bool:
     if len(init) < 3:
         return False
-    step, pred, prev = (jax.typeof(x) for x in init[:3])
+    step, pred, prev = init[:3]  # values or their types: both have a shape and a dtype
     flags = all(a.shape == () and a.dtype == jnp.bool_ for a in (pred, prev))
     return flags and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
 

@@ -62,6 +62,7 @@ __all__ = [
     "register_exposer",
     "register_family",
     "register_handler",
+    "restage_equation",
     "selecting",
     "split_leaves",
     "take",
@@ -530,6 +531,29 @@ def extend_equation(eqn: jex.JaxprEqn, rewritten: Rewritten, **params) -> Rewrit
         params=dict(eqn.params, **params),
     )
     return Rewrite(new, rewritten.outs, rewritten.ins)
+
+
+def restage_equation(eqn: jex.JaxprEqn, outs: Sequence[StateMeta], **params) -> Rewrite:
+    """The `Rewrite` of an equation whose `params`, updated, make it compute more outputs from
+    the same inputs (the leaves of the intermediates `outs`): `eqn` with fresh output variables
+    for them, typed, as its effects, by the primitive's abstract evaluation, with no trace.
+
+    Example, a `scan` whose body returns its intermediates as extra `ys`:
+
+        body = pull_jaxpr(parts.jaxpr)
+        new = params.scan_params(eqn.params, parts._replace(jaxpr=body.jaxpr))
+        return restage_equation(eqn, body.outs, **new)
+    """
+    new_params = dict(eqn.params, **params)
+    out_avals, effects = _compat.abstract_eval(
+        eqn.primitive, [x.aval for x in eqn.invars], new_params
+    )
+    new = eqn.replace(
+        outvars=[*eqn.outvars, *(jex.Var(a) for a in out_avals[len(eqn.outvars) :])],
+        params=new_params,
+        effects=effects,
+    )
+    return Rewrite(new, tuple(outs))
 
 
 def _avals(jaxpr) -> tuple[list, list]:

@@ -34,6 +34,7 @@ from .._interpreter import pulled_with_rule as pulled_with_rule
 from .._interpreter import register_exposer as register_exposer
 from .._interpreter import register_family as register_family
 from .._interpreter import register_handler as register_handler
+from .._interpreter import restage_equation as restage_equation
 from .._interpreter import split_leaves as split_leaves
 from .._interpreter import take as take
 from .._interpreter import traced_impl as traced_impl
@@ -75,6 +76,7 @@ __all__ = [
     "register_exposer",
     "register_family",
     "register_handler",
+    "restage_equation",
     "save_inter_p",
     "split_leaves",
     "take",

@@ -38,7 +38,18 @@ from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
 from .. import _equinox
-from ..extend import mark, params, pull_jaxpr, reductions, register_exposer, split_leaves, take
+from ..extend import (
+    handler_from_exposer,
+    mark,
+    params,
+    pull_jaxpr,
+    reductions,
+    register_exposer,
+    register_handler,
+    restage_equation,
+    split_leaves,
+    take,
+)
 
 
 def _scan_exposer(*args, **eqn_params):
@@ -160,6 +171,27 @@ def _unstack_reduced(metas, stacked, flat=True):
 
 
 register_exposer(scan_p, _scan_exposer)
+_scan_traced = handler_from_exposer(_scan_exposer)
+
+
+def _scan_handler(eqn):
+    # The common case (no reduced names, nothing planted, not an equinox loop) without tracing
+    # the exposer: the equation itself, its body returning the intermediates as extra ys.
+    parts = params.scan_parts(eqn.params)
+    body = pull_jaxpr(parts.jaxpr)
+    if (
+        body.ins
+        or any(m.reduce is not None for m in body.outs)
+        or _equinox.is_bounded_step(
+            parts.jaxpr, [x.aval for x in eqn.invars[parts.num_consts :][: parts.num_carry]]
+        )
+    ):
+        return _scan_traced(eqn)
+    new = params.scan_params(eqn.params, parts._replace(jaxpr=body.jaxpr))
+    return restage_equation(eqn, body.outs, **new)
+
+
+register_handler(scan_p, _scan_handler)
 
 
 def _while_exposer(*args, **eqn_params):
