@@ -235,6 +235,29 @@ def register_transpose_rule(prim: jex.Primitive, rule: Callable) -> None:
     ad.primitive_transposes[prim] = rule
 
 
+# Since JAX 0.9 (or so) a linearization rule takes `is_vjp` first; since JAX 0.11.2 it also
+# returns a structured residual, which its linear function takes after the residuals.
+_TAKES_IS_VJP = "_is_vjp" in ad.fallback_linearize_rule.__code__.co_varnames
+_STRUCTURED_RESIDUALS = "structured_res" in ad.LinearizeTrace.process_primitive.__code__.co_varnames
+
+
+def register_linearization_rule(prim: jex.Primitive, rule: Callable) -> None:
+    """Register `rule(nonzeros, *primals, **params) -> (primals_out, nonzeros_out, linear)`,
+    `linear(*tangents) -> tangents_out` needing no residuals, as what `jax.grad`'s
+    linearization runs for `prim` (by default it traces `prim`'s JVP rule per equation)."""
+
+    def lin(nonzeros, *primals, **params):
+        out, nonzeros_out, linear = rule(nonzeros, *primals, **params)
+        if _STRUCTURED_RESIDUALS:
+            return out, nonzeros_out, (), None, lambda _res, _structured, *t: linear(*t)
+        return out, nonzeros_out, (), lambda _res, *t: linear(*t)
+
+    if _TAKES_IS_VJP:
+        ad.primitive_linearizations[prim] = lambda _is_vjp, *args, **params: lin(*args, **params)
+    else:
+        ad.primitive_linearizations[prim] = lin
+
+
 def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     """Register `rule(axis_size, vals, dims, **params) -> (vals, dims)`.
 

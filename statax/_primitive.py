@@ -126,12 +126,26 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
     if selection is not None and not selection(meta):
         status = INERT
+    if status == INERT and _claims(_COLLECTOR.get()):
+        return value  # what the walk would drop, not staged at all
+    outs = _bind(arrays, meta, status)
+    return value if outs is arrays else meta.unflatten(outs)
+
+
+def _claims(collector: Collector | None) -> bool:
+    """Whether `collector` takes the marks made now (those at its pull's own level)."""
+    return collector is not None and collector.trace is _compat.current_trace()
+
+
+def _bind(arrays: list, meta: StateMeta, status: str) -> list:
+    """`save_inter_p.bind`, or, for a mark made at the level of the `pull` that collects it,
+    `arrays` themselves, handed to its `Collector` (no equation: the walk would only have taken
+    it out again)."""
     collector = _COLLECTOR.get()
-    if collector is not None and collector.trace is _compat.current_trace():
-        if status == COLLECTING:  # at the pull's own level: handed over, no equation
-            collector.add(meta, arrays)
-        return value
-    return meta.unflatten(save_inter_p.bind(*arrays, meta=meta, status=status))
+    if status == COLLECTING and _claims(collector):
+        collector.add(meta, arrays)
+        return arrays
+    return save_inter_p.bind(*arrays, meta=meta, status=status)
 
 
 _ARRAY_METAS: dict[tuple, StateMeta] = {}
@@ -220,12 +234,20 @@ def _abstract_eval(*avals, meta, status):
 _compat.register_lowering_identity(save_inter_p)
 
 
-def _jvp(primals, tangents, **params):
+def _jvp(primals, tangents, *, meta, status):
     # Save the primal only; the tangents pass through untouched.
-    return save_inter_p.bind(*primals, **params), list(tangents)
+    return _bind(list(primals), meta, status), list(tangents)
 
 
 _compat.register_jvp_rule(save_inter_p, _jvp)
+
+
+def _linearize(nonzeros, *primals, meta, status):
+    # As the JVP, without JAX's generic linearization (a trace of the JVP per mark).
+    return _bind(list(primals), meta, status), list(nonzeros), lambda *tangents: list(tangents)
+
+
+_compat.register_linearization_rule(save_inter_p, _linearize)
 
 
 def _transpose(cts, *args, **params):
@@ -243,15 +265,13 @@ def _batch(axis_size, vals, dims, **params):
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
     # unbatched (as `jacfwd`'s primal is). A value fed in from outside (`INPUT`) is per example:
     # it comes in with the batch axis at 0.
-    fed = params["status"] == INPUT
+    meta, status = params["meta"], params["status"]
+    fed = status == INPUT
     if not fed and all(d is None for d in dims):
-        save_inter_p.bind(*vals, **params)
+        _bind(list(vals), meta, status)
         return vals, dims
     moved = batch_first(axis_size, vals, dims)
-    meta = params["meta"]
-    outs = save_inter_p.bind(
-        *moved, **dict(params, meta=dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1))
-    )
+    outs = _bind(moved, dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1), status)
     return (outs, [0] * len(outs)) if fed else (vals, dims)
 
 
