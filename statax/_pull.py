@@ -20,7 +20,7 @@ from jax.extend import core as jex
 from . import _compat, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
 from ._interpreter import mark, on_forget, pull_collected, selecting, take
-from ._meta import StateMeta, hashable, keys_of
+from ._meta import ARRAY, StateMeta, hashable, keys_of
 from ._primitive import Collector, collecting
 
 __all__ = ["pull"]
@@ -115,6 +115,20 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     root, tree, call = _split_callable(fn)
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+    eager = (
+        values is None
+        and pulled.summarize is None
+        and pulled.planting is None
+        and all(type(x) is _ARRAY for x in leaves)
+    )
+    if eager:
+        compiled = lookup(root, (pulled.only, pulled.ran), _COMPILED)
+        if compiled is not None:
+            try:
+                out, inters = compiled(tree, *args, **kwargs)
+                return out, dict(zip(inters.keys, inters.values, strict=True))
+            except _NotCompiled:  # (for these arguments, the function is not one `jit`)
+                pass
     if is_node is not None and any(map(is_node, leaves)):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
@@ -122,14 +136,88 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
         (out, state), inters = _run(pulled, root, _nnx.calling(call), leaves, treedef, values)
         _nnx.update(nodes, state)
         return out, inters
-    return _run(pulled, root, call, leaves, treedef, values)
+    return _run(pulled, root, call, leaves, treedef, values, eager)
 
 
-def _run(pulled, root, call, leaves, treedef, values):
+# ---- eager calls of a function that is all one `jit` ------------------------------------------
+#
+# Called on arrays, `pull(jax.jit(f))` runs through a `jax.jit` of its own evaluation, kept per
+# function: its C++ dispatch checks the arguments and finds the compiled program, with none of
+# the Python work of a call above. What it compiles is what an eager evaluation runs (the
+# rewritten jaxpr is one `jit` equation). Functions that are not (`pull(f)` of a plain `f`
+# runs op by op, as `f` would), and calls on anything but arrays, take the path above.
+
+_ARRAY = type(jnp.zeros(()))  # what `jax.Array`s are (jaxlib's `ArrayImpl`)
+# root callable (held weakly) -> OrderedDict((only, ran) -> compiled evaluation)
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+on_forget(_COMPILED.clear)
+
+
+class _NotCompiled(Exception):
+    """Raised while a compiled evaluation traces a function that is not all one `jit`."""
+
+
+class _InOrder:
+    """The intermediates as a compiled evaluation returns them, in program order (a `dict`
+    comes out of a `jax.jit` in key order: `"l10_0"` before `"l2_0"`)."""
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys: tuple, values: list):
+        self.keys, self.values = keys, values
+
+
+jax.tree_util.register_pytree_node(
+    _InOrder, lambda x: (x.values, x.keys), lambda keys, values: _InOrder(keys, values)
+)
+
+
+def _compile(root, call, only, ran) -> None:
+    """Keep a compiled evaluation for `root` called with `only` and `ran` (once its first eager
+    call has found it to be one `jit`: errors in the first trace are raised from `pull`'s own)."""
+    key = (only, ran)
+    if lookup(root, key, _COMPILED) is None:
+        plain = isinstance(call, functools.partial)
+        store(root, key, jax.jit(_evaluation(weakref.ref(root), plain, only, ran)), _COMPILED)
+
+
+def _evaluation(root_ref, plain: bool, only, ran) -> Callable:
+    # `root` is held weakly, so that the cache entry this lives in does not keep it alive.
+    def evaluate(tree, *args, **kwargs):
+        root = root_ref()
+        if plain:
+            call = functools.partial(_call_plain, root)
+        else:  # (see `_split_callable`)
+            call = _call_tree if isinstance(root, type) else root
+        leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
+        entry, dynamic = _entry(root, call, leaves, treedef, only)
+        if not _one_jit(entry):
+            raise _NotCompiled
+        out, inters = _evaluate(entry, dynamic, ran)
+        return out, _InOrder(tuple(inters), list(inters.values()))
+
+    return evaluate
+
+
+def _one_jit(entry: _Entry) -> bool:
+    """Whether `entry` is one `jit` equation, and returns arrays only."""
+    eqns = entry.jaxpr.jaxpr.eqns
+    return (
+        len(eqns) == 1
+        and eqns[0].primitive is _compat.JIT_PRIMITIVE
+        and not entry.ins
+        and all(s is None for s in entry.out_static)
+        and all(leaf is ARRAY for meta in entry.metas for leaf in meta.static_leaves)
+    )
+
+
+def _run(pulled, root, call, leaves, treedef, values, eager=False):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     with contextlib.nullcontext() if planting is None else _compat.PLANTING(planting):
         entry, dynamic = _entry(root, call, leaves, treedef, only)
+    if eager and _one_jit(entry):
+        _compile(root, call, only, ran)
     if values is not None:  # `plant`: its values, checked against the marks
         fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)
     elif entry.ins:  # within an enclosing plant: what it plants comes in from outside

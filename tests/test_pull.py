@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import statax as stx
+from statax._pull import origins
 from statax.testing import assert_tree_allclose, check_pull
 
 
@@ -314,6 +315,75 @@ def test_cache_does_not_keep_dead_functions_alive():
 
     f = make()
     stx.pull(f)(jnp.ones(2))
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None
+
+
+def _jitted_layers(n):
+    @jax.jit
+    def f(x):
+        for i in range(n):
+            x = stx.save_inter(jnp.tanh(x) + i, name=f"l{i}")
+        return jnp.sum(x)
+
+    def ref(x):
+        inters = {}
+        for i in range(n):
+            x = inters[f"l{i}_0"] = jnp.tanh(x) + i
+        return jnp.sum(x), inters
+
+    return f, ref
+
+
+def test_eager_calls_of_a_jitted_function_run_compiled(monkeypatch):
+    import statax._pull as pull_module
+
+    f, ref = _jitted_layers(12)
+    pulled = stx.pull(f)
+    xs = [X + k for k in range(4)]  # arrays of one kind (as jit's cache tells them apart)
+    out, inters = pulled(xs[0])  # the first call evaluates, and keeps a compiled evaluation
+    assert_tree_allclose((out, inters), ref(xs[0]))
+    locations = origins(inters)
+    assert all("test_pull.py:" in where for where in locations.values())
+    evaluated = []
+    original = pull_module._evaluate
+    monkeypatch.setattr(pull_module, "_evaluate", lambda *a: evaluated.append(1) or original(*a))
+    pulled(xs[1])  # (traced into the compiled evaluation, once)
+    evaluated.clear()
+    for x in xs[1:]:  # the same types: one dispatch of the compiled program
+        out, inters = stx.pull(f)(x)  # (a fresh pull of the same function too)
+        assert_tree_allclose((out, inters), ref(x))
+        # Program order (a compiled program's dicts come back in key order: l10 before l2),
+        # and keys that know where their values were saved.
+        assert list(inters) == list(ref(x)[1])
+        assert origins(inters) == locations
+    assert evaluated == []
+    out, inters = pulled(jnp.ones((2, 3)))  # new types: traced once, inside the compiled one
+    assert_tree_allclose((out, inters), ref(jnp.ones((2, 3))))
+    assert evaluated == [1]
+
+
+def test_eager_calls_that_cannot_run_compiled_evaluate():
+    @jax.jit
+    def f(x):
+        stx.save_inter({"x": x, "tag": "a string"}, name="tagged")  # a non-array leaf
+        return x + 1
+
+    for _ in range(2):
+        out, inters = stx.pull(f)(X)
+        assert_tree_allclose(out, X + 1)
+        assert inters["tagged_0"]["tag"] == "a string"
+    g, ref = _jitted_layers(2)
+    for x in (X, 1.5):  # a Python float is not an array: evaluated, weakly typed
+        assert_tree_allclose(stx.pull(g)(x), ref(jnp.asarray(x)))
+
+
+def test_compiled_evaluation_does_not_keep_dead_functions_alive():
+    f, _ = _jitted_layers(2)
+    for _ in range(2):
+        stx.pull(f)(X)
     ref = weakref.ref(f)
     del f
     gc.collect()
