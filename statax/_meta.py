@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,12 +104,12 @@ class StateMeta:
     reduce: str | None = None
     accumulator: bool = False
 
-    @property
+    @functools.cached_property
     def num_values(self) -> int:
         """How many array leaves the saved value has."""
         return sum(leaf is ARRAY for leaf in self.static_leaves)
 
-    @property
+    @functools.cached_property
     def num_arrays(self) -> int:
         """How many flat array leaves carry this intermediate (counts and masks included)."""
         counted = self.accumulator and self.reduce is not None

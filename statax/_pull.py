@@ -430,6 +430,9 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
         plan = plans[ran] = _plan(metas, ran)
     inters: dict[str, Any] = {}
     for key, meta, start, stop, kind in plan:
+        if kind == "array":
+            inters[key] = flat[start]
+            continue
         leaves = flat[start:stop]
         if kind == "value":
             inters[key] = meta.unflatten(leaves)
@@ -441,13 +444,21 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
 
 
 def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
-    """`[(Key, meta, start, stop, kind)]`: where each entry of the result comes from."""
+    """`[(Key, meta, start, stop, kind)]`: where each entry of the result comes from, and how
+    it is made from its leaves (`kind`: "array", "value", "final" or "ran")."""
     sites: dict[str, StateMeta] = {}
     plan = []
     start = 0
     for key, meta in zip(keys_of(metas), metas, strict=True):
         stop = start + meta.num_arrays
-        entries = [(key, "value" if meta.reduce is None else "final")]
+        kind = "value" if meta.reduce is None else "final"
+        if (
+            kind == "value"
+            and meta.static_leaves == (ARRAY,)
+            and jax.tree_util.treedef_is_leaf(meta.treedef)
+        ):
+            kind = "array"  # the value is its one array
+        entries = [(key, kind)]
         if ran and meta.reduce is not None and _reduce.stacked(meta):
             entries.append((meta.name + ".ran", "ran"))
         for name, kind in entries:

@@ -84,6 +84,19 @@ def test_keys_stay_unique_when_user_names_look_generated():
     assert [float(v) for v in inters.values()] == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_a_container_of_one_array_keeps_its_structure():
+    def f(x):
+        stx.save_inter({"a": x * 2}, name="d")
+        stx.save_inter([x + 1], name="l")
+        stx.save_inter(x, name="x")
+        return jnp.sum(x)
+
+    def ref(x):
+        return jnp.sum(x), {"d_0": {"a": x * 2}, "l_0": [x + 1], "x_0": x}
+
+    check_pull(f, ref, X)
+
+
 def test_non_array_leaves_pass_through_unchanged():
     fn = jax.nn.relu
 
