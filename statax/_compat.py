@@ -297,6 +297,24 @@ def current_trace() -> Any:
     return core.trace_ctx.trace
 
 
+NO_EFFECTS = core.no_effects
+
+
+def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> list | None:
+    """Stage an equation of `prim`, whose outputs have its inputs' types (an identity), into the
+    jaxpr trace in force, when every one of `args` is a tracer of it: as `prim.bind` would, less
+    its generic work (abstract evaluation, constant folding, checks that do not apply). `None`
+    elsewhere: then bind. (`DynamicJaxprTrace.emit_eqn`, the same in JAX 0.8 -- 0.12.)"""
+    trace = core.trace_ctx.trace
+    if type(trace) is not pe.DynamicJaxprTrace:
+        return None
+    for x in args:
+        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
+            return None
+    avals = [x.aval for x in args]
+    return trace.emit_eqn(list(args), avals, prim, params, effects, source_info_util.current())
+
+
 def trace_length(trace: Any) -> int:
     """How many equations `trace`, a jaxpr trace of `trace` above, has staged so far: the
     position in its jaxpr of the next one. `trace` (no auto-DCE) keeps them all, in order

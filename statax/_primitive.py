@@ -117,7 +117,8 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     if not _compat.PULLING.value:
-        return meta.unflatten(save_inter_p.bind(*arrays, meta=meta, status=IDLE))
+        outs = _stage(arrays, meta, IDLE)
+        return outs[0] if meta.static_leaves is _ONE_ARRAY else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and name in planting.names and arrays:
         arrays = planting.plant(meta, arrays, value)
@@ -145,7 +146,18 @@ def _bind(arrays: list, meta: StateMeta, status: str) -> list:
     if status == COLLECTING and _claims(collector):
         collector.add(meta, arrays)
         return arrays
-    return save_inter_p.bind(*arrays, meta=meta, status=status)
+    return _stage(arrays, meta, status)
+
+
+def _stage(arrays: list, meta: StateMeta, status: str) -> list:
+    """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`)."""
+    effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
+    params = {"meta": meta, "status": status}
+    outs = _compat.stage(save_inter_p, arrays, params, effects)
+    return save_inter_p.bind(*arrays, **params) if outs is None else outs
+
+
+_SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 
 
 _ARRAY_METAS: dict[tuple, StateMeta] = {}
@@ -158,11 +170,12 @@ def _array_meta(name: str, location: str, reduce: str | None) -> StateMeta:
     if meta is None:
         if len(_ARRAY_METAS) >= 4096:  # names made on the fly: keep it bounded
             _ARRAY_METAS.clear()
-        meta = _ARRAY_METAS[key] = StateMeta(name, _LEAF, (ARRAY,), location, reduce=reduce)
+        meta = _ARRAY_METAS[key] = StateMeta(name, _LEAF, _ONE_ARRAY, location, reduce=reduce)
     return meta
 
 
 _LEAF = jax.tree_util.tree_structure(0)
+_ONE_ARRAY = (ARRAY,)
 
 
 class Collector:
@@ -227,8 +240,8 @@ def _impl(*xs, meta, status):
 
 
 @save_inter_p.def_effectful_abstract_eval
-def _abstract_eval(*avals, meta, status):
-    return avals, ({_compat.SAVE_EFFECT} if status == COLLECTING else set())
+def _abstract_eval(*avals, meta, status):  # (as `_stage` stages it)
+    return avals, (_SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS)
 
 
 _compat.register_lowering_identity(save_inter_p)
