@@ -303,8 +303,9 @@ NO_EFFECTS = core.no_effects
 def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> list | None:
     """Stage an equation of `prim`, whose outputs have its inputs' types (an identity), into the
     jaxpr trace in force, when every one of `args` is a tracer of it: as `prim.bind` would, less
-    its generic work (abstract evaluation, constant folding, checks that do not apply). `None`
-    elsewhere: then bind. (`DynamicJaxprTrace.emit_eqn`, the same in JAX 0.8 -- 0.12.)"""
+    its generic work (abstract evaluation, constant folding, checks that do not apply, the
+    Python traceback). `None` elsewhere: then bind. (`DynamicJaxprTrace.emit_eqn`, and the
+    source info context, the same in JAX 0.8 -- 0.12.)"""
     trace = core.trace_ctx.trace
     if type(trace) is not pe.DynamicJaxprTrace:
         return None
@@ -312,7 +313,10 @@ def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> li
         if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
             return None
     avals = [x.aval for x in args]
-    return trace.emit_eqn(list(args), avals, prim, params, effects, source_info_util.current())
+    # The context's source info (its name stack) without the Python traceback, which costs
+    # as much as the rest: a mark lowers to nothing, and its meta has its location.
+    source_info = source_info_util._source_info_context.context
+    return trace.emit_eqn(list(args), avals, prim, params, effects, source_info)
 
 
 def trace_length(trace: Any) -> int:

@@ -55,14 +55,21 @@ save_inter_p.multiple_results = True
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _caller_location() -> str:
-    """`"file:line"` of the first frame outside statax."""
-    frame = sys._getframe(1)
+def _caller() -> tuple:
+    """`(code, line)` of the first frame outside statax (`(None, 0)` if none)."""
+    frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return (None, 0) if frame is None else (frame.f_code, frame.f_lineno)
+
+
+def _caller_location() -> str:
+    """`"file:line"` of the first frame outside statax."""
+    return _location(*_caller())
+
+
+def _location(code, line: int) -> str:
+    return "<unknown>" if code is None else f"{code.co_filename}:{line}"
 
 
 def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) -> T:
@@ -112,7 +119,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     name = _compat.SCOPE.value + name
     if isinstance(value, jax.Array):  # the common case, without flattening
         arrays = [value]
-        meta = _array_meta(name, _caller_location(), reduce)
+        meta = _array_meta(name, _caller(), reduce)
     else:
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
@@ -163,13 +170,15 @@ _SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 _ARRAY_METAS: dict[tuple, StateMeta] = {}
 
 
-def _array_meta(name: str, location: str, reduce: str | None) -> StateMeta:
-    """The meta of a mark on one array (made once per site and name: metas are immutable)."""
-    key = (name, location, reduce)
+def _array_meta(name: str, site: tuple, reduce: str | None) -> StateMeta:
+    """The meta of a mark on one array at `site` (`_caller()`), made once per site and name
+    (metas are immutable)."""
+    key = (name, site, reduce)
     meta = _ARRAY_METAS.get(key)
     if meta is None:
         if len(_ARRAY_METAS) >= 4096:  # names made on the fly: keep it bounded
             _ARRAY_METAS.clear()
+        location = _location(*site)
         meta = _ARRAY_METAS[key] = StateMeta(name, _LEAF, _ONE_ARRAY, location, reduce=reduce)
     return meta
 

@@ -112,8 +112,14 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     fn = pulled.fn
     if not pulled.enabled:
         return fn(*args, **kwargs), {}
-    root, tree, call = _split_callable(fn)
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
+    known = pulled.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
+    if values is None and known is not None and known[0] == _GENERATION[0]:
+        if all(type(x) is _ARRAY for x in jax.tree_util.tree_leaves((args, kwargs), is_node)):
+            result = _run_compiled(known[2], known[1], args, kwargs)
+            if result is not None:
+                return result
+    root, tree, call = _split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     eager = (
         values is None
@@ -124,11 +130,11 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     if eager:
         compiled = lookup(root, (pulled.only, pulled.ran), _COMPILED)
         if compiled is not None:
-            try:
-                out, inters = compiled(tree, *args, **kwargs)
-                return out, dict(zip(inters.keys, inters.values, strict=True))
-            except _NotCompiled:  # (for these arguments, the function is not one `jit`)
-                pass
+            result = _run_compiled(compiled, tree, args, kwargs)
+            if result is not None:
+                # This pull's next calls on arrays go straight here (its `tree` is fixed).
+                object.__setattr__(pulled, "_compiled", (_GENERATION[0], tree, compiled))
+                return result
     if is_node is not None and any(map(is_node, leaves)):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
@@ -150,7 +156,15 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
 _ARRAY = type(jnp.zeros(()))  # what `jax.Array`s are (jaxlib's `ArrayImpl`)
 # root callable (held weakly) -> OrderedDict((only, ran) -> compiled evaluation)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-on_forget(_COMPILED.clear)
+_GENERATION = [0]  # counts the times the handlers changed (a pull keeps its compiled evaluation)
+
+
+def _forget_compiled() -> None:
+    _COMPILED.clear()
+    _GENERATION[0] += 1
+
+
+on_forget(_forget_compiled)
 
 
 class _NotCompiled(Exception):
@@ -170,6 +184,16 @@ class _InOrder:
 jax.tree_util.register_pytree_node(
     _InOrder, lambda x: (x.values, x.keys), lambda keys, values: _InOrder(keys, values)
 )
+
+
+def _run_compiled(compiled, tree, args, kwargs) -> tuple | None:
+    """`(out, intermediates)` from the compiled evaluation, or None where, for these arguments,
+    the function is not one `jit`."""
+    try:
+        out, inters = compiled(tree, *args, **kwargs)
+    except _NotCompiled:
+        return None
+    return out, dict(zip(inters.keys, inters.values, strict=True))
 
 
 def _compile(root, call, only, ran) -> None:
