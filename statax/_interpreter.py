@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -260,22 +260,35 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
     depth, in order."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    return _cached(_SAVES, jaxpr, lambda: tuple(_iter_saves(jaxpr)))
+    return _cached(_SAVES, jaxpr, lambda: _saves_in(jaxpr))
 
 
-def _iter_saves(jaxpr: jex.Jaxpr) -> Iterator[StateMeta]:
+def _saves_in(jaxpr: jex.Jaxpr) -> tuple[StateMeta, ...]:
+    found: list[StateMeta] = []
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
             if acts_on(eqn.params):
-                yield eqn.params["meta"]
+                found.append(eqn.params["meta"])
         else:
-            yield from _eqn_saves(eqn)
+            found.extend(_eqn_saves(eqn))
+    return tuple(found)
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
-    _, finder = _rules_for(eqn)
+    # (`_rules_for`, inlined: this runs for every equation of every jaxpr a pull sees)
+    prim = eqn.primitive
+    if prim in _HANDLERS:
+        finder = _FINDERS.get(prim)
+    else:
+        finder = None
+        for matches, _, family_finder in _FAMILIES:
+            if matches(eqn):
+                finder = family_finder
+                break
     if finder is not None:
         return tuple(finder(eqn))
+    if not eqn.params:
+        return ()
     found = tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
     if found or not _compat.runs_python(eqn):
         return found

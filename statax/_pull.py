@@ -100,6 +100,14 @@ class _Pulled:
         return self.fn
 
     def __call__(self, *args, **kwargs):
+        known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
+        if known is not None and known[0] == _GENERATION[0]:
+            # An eager call on arrays of a pull that has run compiled: straight to it.
+            leaves = jax.tree_util.tree_leaves((args, kwargs), _nnx.node_test())
+            if all(map(_is_array, leaves)):
+                result = _run_compiled(known[2], known[1], args, kwargs)
+                if result is not None:
+                    return result
         return call_pulled(self, args, kwargs)
 
 
@@ -113,19 +121,13 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     if not pulled.enabled:
         return fn(*args, **kwargs), {}
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
-    known = pulled.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
-    if values is None and known is not None and known[0] == _GENERATION[0]:
-        if all(type(x) is _ARRAY for x in jax.tree_util.tree_leaves((args, kwargs), is_node)):
-            result = _run_compiled(known[2], known[1], args, kwargs)
-            if result is not None:
-                return result
     root, tree, call = _split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     eager = (
         values is None
         and pulled.summarize is None
         and pulled.planting is None
-        and all(type(x) is _ARRAY for x in leaves)
+        and all(map(_is_array, leaves))
     )
     if eager:
         compiled = lookup(root, (pulled.only, pulled.ran), _COMPILED)
@@ -154,6 +156,7 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
 # runs op by op, as `f` would), and calls on anything but arrays, take the path above.
 
 _ARRAY = type(jnp.zeros(()))  # what `jax.Array`s are (jaxlib's `ArrayImpl`)
+_is_array = _ARRAY.__instancecheck__  # (no tracer is one)
 # root callable (held weakly) -> OrderedDict((only, ran) -> compiled evaluation)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GENERATION = [0]  # counts the times the handlers changed (a pull keeps its compiled evaluation)
@@ -335,6 +338,12 @@ class Key(str):
         return (Key, (str(self), self.location, self.reduce))
 
 
+@functools.lru_cache(maxsize=4096)
+def _key(name: str, location: str, reduce: str | None) -> Key:
+    """The `Key` (made once: keys are immutable)."""
+    return Key(name, location, reduce)
+
+
 def origins(inters: dict) -> dict[str, str]:
     """`{key: "file:line"}` for the keys of `inters` that `pull` made."""
     return {key: key.location for key in inters if isinstance(key, Key)}
@@ -489,7 +498,7 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
             if name in sites:
                 raise KeyCollisionError(name, sites[name], meta)
             sites[name] = meta
-            plan.append((Key(name, meta.location, meta.reduce), meta, start, stop, kind))
+            plan.append((_key(name, meta.location, meta.reduce), meta, start, stop, kind))
         start = stop
     return plan
 
