@@ -682,6 +682,8 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
     the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
     equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
     shows. Host callbacks are left out: they run on the host, on values."""
+    if eqn.primitive in _RUN_JAXPRS:
+        return False
     impl = eqn.primitive.impl
     if impl is None or eqn.primitive.name in _HOST_CALLBACKS:
         return False
@@ -691,6 +693,17 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
+# JAX's call and control-flow primitives, whose Python impls run their jaxprs and nothing else.
+_RUN_JAXPRS = frozenset(
+    {
+        JIT_PRIMITIVE,
+        REMAT_PRIMITIVE,
+        jex.primitives.closed_call_p,
+        jex.primitives.scan_p,
+        jex.primitives.while_p,
+        jex.primitives.cond_p,
+    }
+)
 
 
 # Callable objects in params that are not code (a `jit` equation's `ctx_mesh` is a `Mesh`,
