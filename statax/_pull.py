@@ -264,7 +264,7 @@ def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
     key = (only, *key)
     entry = lookup(root, key)
     if entry is None:
-        entry = _trace(root, call, leaves, treedef, traced, only)
+        entry = _trace(root, call, leaves, treedef, traced, only, key[-1])
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
             store(root, key, entry)
     return entry, dynamic
@@ -356,6 +356,8 @@ def _traced_mask(leaves: list, treedef) -> list[bool]:
     `static_argnums` far more often than data.
     """
     traced = [eqx.is_array(leaf) for leaf in leaves]
+    if not any(isinstance(leaf, _TRACED_PY_NUMBERS) for leaf in leaves):
+        return traced
     _, args_def, kwargs_def = treedef.children()
     start = treedef.children()[0].num_leaves
     for child in (*args_def.children(), *kwargs_def.children()):
@@ -412,7 +414,7 @@ def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
     return flat_fn
 
 
-def _trace(root, call, leaves, treedef, traced, only) -> _Entry:
+def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
@@ -427,7 +429,7 @@ def _trace(root, call, leaves, treedef, traced, only) -> _Entry:
     source = root.__call__ if isinstance(root, type) else root
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True), collecting(collector):
-            closed = _compat.trace(traced, list(map(jax.typeof, dynamic)), "pull", source)
+            closed = _compat.trace(traced, avals, "pull", source)
         new, metas, ins = pull_collected(closed, collector.marks)
     out_def, out_static = out_info[0]
     literals = tuple(
