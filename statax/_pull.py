@@ -87,16 +87,9 @@ class _Pulled:
     planting: Any = None  # for `plant`: a `_plant.Planting`
 
     @property
-    def __signature__(self) -> inspect.Signature | None:
-        """`fn`'s signature, which tools and `jax.jit(..., static_argnames=...)` read."""
-        try:
-            return inspect.signature(self.fn)
-        except (TypeError, ValueError):  # a callable without one (some builtins)
-            return None
-
-    @property
     def __wrapped__(self) -> Callable:
-        """`fn`, where JAX names a traced function (`inspect.unwrap`): cheaper than the repr."""
+        """`fn`: `inspect.signature` gives `fn`'s signature (which tools and
+        `jax.jit(..., static_argnames=...)` read), and JAX names a trace by `fn`."""
         return self.fn
 
     def __call__(self, *args, **kwargs):
