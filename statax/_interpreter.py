@@ -452,7 +452,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
     extra_in: list[jex.Var] = []
     ins: list[StateMeta] = []
     for eqn in jaxpr.eqns:
-        if forwarded:
+        if forwarded and any(isinstance(x, jex.Var) and x in forwarded for x in eqn.invars):
             eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
         if eqn.primitive is save_inter_p:
             meta, values = eqn.params["meta"], list(eqn.invars)
