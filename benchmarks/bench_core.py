@@ -22,9 +22,9 @@ from statax.testing import hlo_ops
 DEPTH, WIDTH, BATCH = 16, 512, 256
 
 
-def init(key):
+def init(key, width=WIDTH):
     keys = jax.random.split(key, DEPTH)
-    return [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys]
+    return [jax.random.normal(k, (width, width)) / width**0.5 for k in keys]
 
 
 def marked(params, x):

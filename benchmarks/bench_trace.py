@@ -19,38 +19,30 @@ Run: `python benchmarks/bench_trace.py` (about three minutes on 2 CPU cores).
 import jax
 import jax.numpy as jnp
 from _timing import interleaved_ratio, report
+from bench_core import by_hand, init, marked, unmarked
 from jax import lax
 
 import statax as stx
 
-DEPTH = 16
-
 
 def mlp_params(width, key=0):
-    keys = jax.random.split(jax.random.key(key), DEPTH)
-    return [jax.random.normal(k, (width, width)) / width**0.5 for k in keys]
+    return init(jax.random.key(key), width)
 
 
-# ---- the MLP ----------------------------------------------------------------------------------
+# ---- the MLP (bench_core's) -----------------------------------------------------------------
 
 
 def make_mlp():
+    """Fresh function objects running bench_core's MLP: `(f, f_hand, f_plain)`."""
+
     def f(params, x):
-        for i, w in enumerate(params):
-            x = stx.save_inter(jnp.tanh(x @ w), name=f"layer{i}")
-        return jnp.sum(x)
+        return marked(params, x)
 
     def f_hand(params, x):
-        acts = {}
-        for i, w in enumerate(params):
-            x = jnp.tanh(x @ w)
-            acts[f"layer{i}_0"] = x
-        return jnp.sum(x), acts
+        return by_hand(params, x)
 
     def f_plain(params, x):
-        for w in params:
-            x = jnp.tanh(x @ w)
-        return jnp.sum(x)
+        return unmarked(params, x)
 
     return f, f_hand, f_plain
 

@@ -275,16 +275,7 @@ def _saves_in(jaxpr: jex.Jaxpr) -> tuple[StateMeta, ...]:
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
-    # (`_rules_for`, inlined: this runs for every equation of every jaxpr a pull sees)
-    prim = eqn.primitive
-    if prim in _HANDLERS:
-        finder = _FINDERS.get(prim)
-    else:
-        finder = None
-        for matches, _, family_finder in _FAMILIES:
-            if matches(eqn):
-                finder = family_finder
-                break
+    _, finder = _rules_for(eqn)
     if finder is not None:
         return tuple(finder(eqn))
     if not eqn.params:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import sys
 from typing import TypeVar
@@ -134,8 +135,6 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
     if selection is not None and not selection(meta):
         status = INERT
-    if status == INERT and _claims(_COLLECTOR.get()):
-        return value  # what the walk would drop, not staged at all
     outs = _bind(arrays, meta, status)
     return value if outs is arrays else meta.unflatten(outs)
 
@@ -146,12 +145,13 @@ def _claims(collector: Collector | None) -> bool:
 
 
 def _bind(arrays: list, meta: StateMeta, status: str) -> list:
-    """`save_inter_p.bind`, or, for a mark made at the level of the `pull` that collects it,
-    `arrays` themselves, handed to its `Collector` (no equation: the walk would only have taken
-    it out again)."""
+    """`save_inter_p.bind`, or, for a mark made at the level of the `pull` that traces it,
+    `arrays` themselves, handed to its `Collector` if it collects them (no equation: the walk
+    would only have taken it out again, or dropped it, unselected)."""
     collector = _COLLECTOR.get()
-    if status == COLLECTING and _claims(collector):
-        collector.add(meta, arrays)
+    if status in (COLLECTING, INERT) and _claims(collector):
+        if status == COLLECTING:
+            collector.add(meta, arrays)
         return arrays
     return _stage(arrays, meta, status)
 
@@ -167,20 +167,11 @@ def _stage(arrays: list, meta: StateMeta, status: str) -> list:
 _SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 
 
-_ARRAY_METAS: dict[tuple, StateMeta] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _array_meta(name: str, site: tuple, reduce: str | None) -> StateMeta:
     """The meta of a mark on one array at `site` (`_caller()`), made once per site and name
     (metas are immutable)."""
-    key = (name, site, reduce)
-    meta = _ARRAY_METAS.get(key)
-    if meta is None:
-        if len(_ARRAY_METAS) >= 4096:  # names made on the fly: keep it bounded
-            _ARRAY_METAS.clear()
-        location = _location(*site)
-        meta = _ARRAY_METAS[key] = StateMeta(name, _LEAF, _ONE_ARRAY, location, reduce=reduce)
-    return meta
+    return StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
 
 
 _LEAF = jax.tree_util.tree_structure(0)

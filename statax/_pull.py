@@ -410,10 +410,9 @@ def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
 def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
-    dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
     collector = Collector()
 
-    def traced(*args):
+    def run(*args):  # flat_fn, handing its marks to `collector`
         collector.trace = _compat.current_trace()
         outs = flat_fn(*args)
         collector.trace = None  # (a mark made once the function has returned is not its own)
@@ -422,13 +421,13 @@ def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
     source = root.__call__ if isinstance(root, type) else root
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True), collecting(collector):
-            closed = _compat.trace(traced, avals, "pull", source)
+            closed = _compat.trace(run, avals, "pull", source)
         new, metas, ins = pull_collected(closed, collector.marks)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )
-    in_avals = tuple(new.in_avals[len(dynamic) :])
+    in_avals = tuple(new.in_avals[len(avals) :])
     n = len(closed.jaxpr.outvars) - len(collector.leaves)
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
     call_params = None if escaped else _compat.jit_call_params(new, _name_of(root))
