@@ -62,6 +62,7 @@ __all__ = [
     "custom_rule_inputs",
     "custom_rule_params",
     "dce",
+    "debug_info",
     "extend_debug_info",
     "hi_expand",
     "hi_jaxprs",
@@ -79,14 +80,19 @@ __all__ = [
     "register_remat_partial_eval_rule",
     "rebind_vary",
     "register_transpose_rule",
+    "restage",
     "scan_params",
     "set_batching_rule",
     "scan_parts",
     "shard_map_manual_axes",
     "shard_map_parts",
+    "staged",
+    "staging_trace",
     "trace_context",
     "trace",
+    "tracer_of",
     "user_context",
+    "var_of",
     "vary",
     "while_parts",
     "wraps_jaxpr",
@@ -285,11 +291,15 @@ def trace(
     weak types included, which `jax.make_jaxpr` of `ShapeDtypeStruct`s would not keep), without
     `jax.make_jaxpr`'s work around the trace (a `jit` object, argument names from a signature).
     With `source`, JAX's messages name that function (`"f at file.py:3"`) rather than `name`."""
-    where = name if source is None else api_util.fun_sourceinfo(source)
-    debug_info = lu.DebugInfo(name, where, None, None)
-    wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info)
+    wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info(name, source))
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def debug_info(name: str, source: Callable | None = None) -> Any:
+    """A jaxpr's debug info: made by `name`, from `source` where given."""
+    where = name if source is None else api_util.fun_sourceinfo(source)
+    return lu.DebugInfo(name, where, None, None)
 
 
 def current_trace() -> Any:
@@ -324,6 +334,77 @@ def trace_length(trace: Any) -> int:
     position in its jaxpr of the next one. `trace` (no auto-DCE) keeps them all, in order
     (`DynamicJaxprTrace.frame.tracing_eqns` in JAX 0.8 -- 0.12)."""
     return len(trace.frame.tracing_eqns)
+
+
+def staging_trace() -> Any:
+    """The trace in force if it stages a jaxpr whose equations `staged` and `restage` may read
+    and edit (a `DynamicJaxprTrace` keeping every equation: no auto-DCE), else `None`."""
+    trace = core.trace_ctx.trace
+    if type(trace) is pe.DynamicJaxprTrace and not trace.frame.auto_dce:
+        return trace
+    return None
+
+
+def staged(trace: Any, start: int) -> list[tuple[jex.JaxprEqn, Any]]:
+    """`(equation, entry)` for each equation `trace` (of `staging_trace`) staged from position
+    `start` on, `entry` being how its frame holds it.
+
+    A frame holds `TracingEqn`s (inputs as tracers, read when the jaxpr is made) behind a
+    callable (JAX 0.8 -- 0.9) or as they are (0.10 -- 0.12), where it also holds `JaxprEqn`s
+    (`JaxprStackFrame.get_eqns`, which this mirrors)."""
+    pairs = []
+    for entry in trace.frame.tracing_eqns[start:]:
+        e = entry() if callable(entry) else entry
+        if isinstance(e, pe.TracingEqn):
+            invars = [t.val for t in e.in_tracers]
+            e = core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
+                              e.source_info, e.ctx)  # fmt: skip
+        pairs.append((e, entry))
+    return pairs
+
+
+def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[tuple]) -> None:
+    """Make `eqns` what `trace` staged from position `start` on, in place of `old` (the pairs
+    `staged` gave): an equation of `old` keeps its entry; a new one is staged as a
+    `TracingEqn`, on the tracers the old ones read where it reads the same variables (a
+    constant stays in the jaxpr while a tracer of it lives)."""
+    entries = {id(eqn): entry for eqn, entry in old}
+    tracers: dict[int, Any] = {}
+    for _, entry in old:
+        e = entry() if callable(entry) else entry
+        for t in getattr(e, "in_tracers", ()):
+            tracers.setdefault(id(t.val), t)
+    held = []
+    for eqn in eqns:
+        entry = entries.get(id(eqn))
+        if entry is None:
+            ins = [tracers.get(id(x)) for x in eqn.invars]
+            ins = [tracer_of(trace, x) if t is None else t for t, x in zip(ins, eqn.invars)]
+            e = pe.TracingEqn(ins, eqn.outvars, eqn.primitive, eqn.params, eqn.effects,
+                              eqn.source_info, eqn.ctx)  # fmt: skip
+            entry = e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e)
+        held.append(entry)
+    trace.frame.tracing_eqns[start:] = held
+
+
+# JAX 0.10 -- 0.12: a frame holds a `TracingEqn` itself; 0.8 -- 0.9 behind a callable.
+_FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__.co_names
+
+
+def _same(x):
+    return x
+
+
+def var_of(trace: Any, x: Any) -> Any:
+    """The variable `x` is in `trace`'s jaxpr, if `x` is one of its tracers; else `None`."""
+    if type(x) is pe.DynamicJaxprTracer and x._trace is trace:
+        return x.val
+    return None
+
+
+def tracer_of(trace: Any, var: Any) -> Any:
+    """A tracer of `trace` for `var`, a variable (or literal) of its jaxpr (JAX 0.8 -- 0.12)."""
+    return pe.DynamicJaxprTracer(trace, var.aval, var)
 
 
 def abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:

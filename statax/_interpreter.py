@@ -58,6 +58,7 @@ __all__ = [
     "pull_collected",
     "pull_jaxpr",
     "pull_open_jaxpr",
+    "pull_staged",
     "pulled_with_rule",
     "register_exposer",
     "register_family",
@@ -264,8 +265,12 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
 
 
 def _saves_in(jaxpr: jex.Jaxpr) -> tuple[StateMeta, ...]:
+    return _saves_among(jaxpr.eqns)
+
+
+def _saves_among(eqns: Sequence[jex.JaxprEqn]) -> tuple[StateMeta, ...]:
     found: list[StateMeta] = []
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         if eqn.primitive is save_inter_p:
             if acts_on(eqn.params):
                 found.append(eqn.params["meta"])
@@ -393,6 +398,47 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
         debug_info=_compat.extend_debug_info(jaxpr.debug_info, [], keep=num_out),
     )
     return pull_jaxpr(jex.ClosedJaxpr(restored, closed_jaxpr.consts))
+
+
+def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, list, tuple]:
+    """`pull_collected` for a function traced straight into `trace` (`_compat.staging_trace`),
+    from its position `start` on, with `collector` taking the marks made at `trace`'s level:
+    the equations it staged that hold marks are rewritten in place, in `trace`.
+
+    Returns `(outs, leaves, metas)`: `outs` (the function's flat outputs) as they now are, the
+    flat leaves of the intermediates, and their metas, in program order."""
+    metas = tuple(meta for _, meta in collector.marks)
+    staged = _compat.staged(trace, start)
+    eqns = [eqn for eqn, _ in staged]
+    if not _saves_among(eqns):  # the usual case: every mark was collected as it was made
+        leaves = collector.leaves
+        if any(m.reduce is not None for m in metas):
+            metas, leaves = _reduce.merge(metas, leaves)
+        return list(outs), list(leaves), tuple(metas)
+    # Walk what was staged as one jaxpr (its free variables are the trace's), returning the
+    # outputs and the collected leaves; each value that is not a variable of the trace stands
+    # in as a fresh one, and comes back as it was.
+    values = [*outs, *collector.leaves]
+    outvars = [_compat.var_of(trace, x) for x in values]
+    outvars = [jex.Var(jax.typeof(x)) if v is None else v for v, x in zip(outvars, values)]
+    effects = set().union(*(e.effects for e in eqns))
+    jaxpr = jex.Jaxpr([], [], outvars, eqns, effects, _compat.debug_info("pull"))
+    marks = [(position - start, meta) for position, meta in collector.marks]
+    new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks)
+    assert not ins, "marks are planted only where nothing is staged in place"
+    new = new.jaxpr
+    _compat.restage(trace, start, new.eqns, staged)
+    known = {id(v): x for v, x in zip(outvars, values, strict=True)}
+
+    def value(v):
+        if id(v) in known:
+            return known[id(v)]
+        if isinstance(v, jex.Literal):
+            return jnp.asarray(v.val, v.aval.dtype)
+        return _compat.tracer_of(trace, v)
+
+    flat = [value(v) for v in new.outvars]
+    return flat[: len(outs)], flat[len(outs) :], metas
 
 
 def _fold_reduced(jaxpr: jex.Jaxpr, metas):

@@ -19,7 +19,7 @@ from jax.extend import core as jex
 
 from . import _compat, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
-from ._interpreter import mark, on_forget, pull_collected, selecting, take
+from ._interpreter import mark, on_forget, pull_collected, pull_staged, selecting, take
 from ._meta import ARRAY, StateMeta, hashable, keys_of
 from ._primitive import Collector, collecting
 
@@ -233,6 +233,10 @@ def _one_jit(entry: _Entry) -> bool:
 
 def _run(pulled, root, call, leaves, treedef, values, eager=False):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
+    if values is None and planting is None and summarize is None:
+        trace = _compat.staging_trace()
+        if trace is not None and _compat.PLANTING.value is None:
+            return _inline(trace, call, leaves, treedef, only, ran)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     with contextlib.nullcontext() if planting is None else _compat.PLANTING(planting):
         entry, dynamic = _entry(root, call, leaves, treedef, only)
@@ -249,6 +253,30 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
     # A planted run inside an enclosing pull: its intermediates (as planted) are marks again.
     remark = planting is not None and bool(_compat.PULLING.value)
     return _evaluate(entry, [*dynamic, *fed], ran, remark)
+
+
+def _inline(trace, call, leaves, treedef, only, ran):
+    """`pull` where a jaxpr is being staged (under `jit`, `make_jaxpr`, in a loop body): the
+    function is traced straight into it, as it would be unpulled. Its marks are handed over as
+    they are made, and the equations that hold marks further in (a `jit`, a loop) are
+    rewritten where they stand."""
+    traced = _traced_mask(leaves, treedef)
+    leaves = [
+        jnp.asarray(x) if t and isinstance(x, _TRACED_PY_NUMBERS) else x
+        for x, t in zip(leaves, traced, strict=True)
+    ]
+    tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    collector = Collector()
+    start = _compat.trace_length(trace)
+    with selecting(only), _compat.PULLING(True), collecting(collector):
+        collector.trace = trace
+        out = call(tree, *args, **kwargs)
+        collector.trace = None  # (a mark made once the function has returned is not its own)
+    out_leaves, out_def = jax.tree_util.tree_flatten(out)
+    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
+    if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
+        out = jax.tree_util.tree_unflatten(out_def, new_leaves)
+    return out, _name(metas, flat, ran, {})
 
 
 def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:

@@ -254,6 +254,57 @@ def test_nested_pull_consumes_its_own_marks():
         assert_tree_allclose(inters, {"outer_0": 102.0})
 
 
+def test_traced_pull_stages_what_returning_the_marks_by_hand_does():
+    # Where a jaxpr is being staged, `pull(f)` traces `f` into it and adds nothing.
+    def by_hand(x):  # f_two_layers, returning its marks itself
+        h = jnp.tanh(x * 2.0)
+        g = jnp.sin(h) + x
+        stats = {"sq": h**2, "id": h}
+        return jnp.sum(g * h), {"h_0": h, "h_1": g, "stats_0": stats}
+
+    assert str(jax.make_jaxpr(stx.pull(f_two_layers))(X)) == str(jax.make_jaxpr(by_hand)(X))
+
+
+def test_traced_pull_rewrites_only_what_it_staged():
+    # In one trace, a scan holding a mark staged before an inner pull is not the inner
+    # pull's: it stays, and the enclosing pull collects it.
+    def scanned(x, name):
+        return lax.scan(lambda c, t: (stx.save_inter(c * t, name=name), None), 1.0, x)[0]
+
+    def outer(x):
+        before = scanned(x, "before")
+        inner, inters = stx.pull(lambda x: scanned(x + 1, "inner"))(x)
+        return before + inner + inters["inner_0"][-1]
+
+    def ref(x):
+        before, inner = jnp.cumprod(x), jnp.cumprod(x + 1)
+        return before[-1] + 2 * inner[-1], {"before_0": before}
+
+    for g in (stx.pull(outer), jax.jit(stx.pull(outer)), stx.pull(jax.jit(outer))):
+        assert_tree_allclose(g(X), ref(X))
+
+
+def test_traced_pull_keeps_the_constants_of_what_it_rewrites():
+    # A constant that only a rewritten equation reads stays in the jaxpr.
+    def f(x):
+        ys = jnp.array([1.0, -2.0, 3.0])
+        return lax.scan(lambda c, y: (c, stx.save_inter(c * y, name="v")), x, ys)[0]
+
+    expected = (2.0, {"v_0": jnp.array([2.0, -4.0, 6.0])})
+    assert_tree_allclose(jax.jit(stx.pull(f))(2.0), expected)
+    assert_tree_allclose(stx.pull(f)(2.0), expected)
+
+
+def test_a_python_float_argument_is_saved_traced_or_not():
+    def f(x, scale):
+        stx.save_inter(scale, name="scale")
+        return x * scale
+
+    expected = (jnp.float32(6.0), {"scale_0": jnp.float32(2.0)})
+    assert_tree_allclose(stx.pull(f)(3.0, 2.0), expected)
+    assert_tree_allclose(jax.jit(lambda x: stx.pull(f)(x, 2.0))(3.0), expected)
+
+
 def test_static_arguments_and_outputs():
     def f(x, mode, scale=2.0):
         stx.save_inter(x * scale, name=mode)
