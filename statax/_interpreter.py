@@ -261,22 +261,27 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
     depth, in order."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    return _cached(_SAVES, jaxpr, lambda: _saves_in(jaxpr))
+    return _marks(jaxpr)[0]
 
 
-def _saves_in(jaxpr: jex.Jaxpr) -> tuple[StateMeta, ...]:
-    return _saves_among(jaxpr.eqns)
+def _marks(jaxpr: jex.Jaxpr) -> tuple[tuple[StateMeta, ...], list[tuple[StateMeta, ...]]]:
+    """`(find_saves(jaxpr), per_eqn)`: also the marks of each equation (kept for the walk)."""
+    return _cached(_SAVES, jaxpr, lambda: _saves_in(jaxpr.eqns))
 
 
-def _saves_among(eqns: Sequence[jex.JaxprEqn]) -> tuple[StateMeta, ...]:
-    found: list[StateMeta] = []
+def _saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[tuple[StateMeta, ...], list]:
+    per_eqn = []
     for eqn in eqns:
         if eqn.primitive is save_inter_p:
-            if acts_on(eqn.params):
-                found.append(eqn.params["meta"])
+            per_eqn.append((eqn.params["meta"],) if acts_on(eqn.params) else ())
         else:
-            found.extend(_eqn_saves(eqn))
-    return tuple(found)
+            per_eqn.append(_eqn_saves(eqn))
+    return tuple(m for found in per_eqn for m in found), per_eqn
+
+
+def _known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
+    """Record `_marks(jaxpr)`, worked out otherwise (for the current selection)."""
+    _SAVES.setdefault(jaxpr, {})[_compat.SELECTION.value] = marks
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
@@ -380,10 +385,13 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
     # Put each collected mark back where it was made, as the equation a bind would have
     # staged, and walk the whole.
     eqns: list[jex.JaxprEqn] = []
+    per_eqn: list[tuple[StateMeta, ...]] = []  # the marks of each, from those found already
+    found = _marks(jaxpr)[1]
     leaves = iter(jaxpr.outvars[num_out:])
     done = 0
     for position, meta in marks:
         eqns.extend(jaxpr.eqns[done:position])
+        per_eqn.extend(found[done:position])
         done = position
         invars = [next(leaves) for _ in range(meta.num_arrays)]
         outvars = [jex.Var(x.aval) for x in invars]
@@ -391,12 +399,15 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
         eqns.append(
             _compat.new_equation(invars, outvars, save_inter_p, params, {_compat.SAVE_EFFECT})
         )
+        per_eqn.append((meta,))
     eqns.extend(jaxpr.eqns[done:])
+    per_eqn.extend(found[done:])
     restored = jaxpr.replace(
         eqns=eqns,
         outvars=jaxpr.outvars[:num_out],
         debug_info=_compat.extend_debug_info(jaxpr.debug_info, [], keep=num_out),
     )
+    _known_marks(restored, (tuple(m for ms in per_eqn for m in ms), per_eqn))
     return pull_jaxpr(jex.ClosedJaxpr(restored, closed_jaxpr.consts))
 
 
@@ -410,7 +421,8 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     metas = tuple(meta for _, meta in collector.marks)
     staged = _compat.staged(trace, start)
     eqns = [eqn for eqn, _ in staged]
-    if not _saves_among(eqns):  # the usual case: every mark was collected as it was made
+    marks_in = _saves_in(eqns)
+    if not marks_in[0]:  # the usual case: every mark was collected as it was made
         leaves = collector.leaves
         if any(m.reduce is not None for m in metas):
             metas, leaves = _reduce.merge(metas, leaves)
@@ -423,6 +435,7 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     outvars = [jex.Var(jax.typeof(x)) if v is None else v for v, x in zip(outvars, values)]
     effects = set().union(*(e.effects for e in eqns))
     jaxpr = jex.Jaxpr([], [], outvars, eqns, effects, _compat.debug_info("pull"))
+    _known_marks(jaxpr, marks_in)
     marks = [(position - start, meta) for position, meta in collector.marks]
     new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks)
     assert not ins, "marks are planted only where nothing is staged in place"
@@ -488,7 +501,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
     outs: list[StateMeta] = []
     extra_in: list[jex.Var] = []
     ins: list[StateMeta] = []
-    for eqn in jaxpr.eqns:
+    for eqn, inner in zip(jaxpr.eqns, _marks(jaxpr)[1], strict=True):
         if forwarded and any(isinstance(x, jex.Var) and x in forwarded for x in eqn.invars):
             eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
         if eqn.primitive is save_inter_p:
@@ -502,7 +515,6 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
                 outs.append(meta)
             forwarded.update(zip(eqn.outvars, values, strict=True))
             continue
-        inner = _eqn_saves(eqn)
         if not inner:
             eqns.append(eqn)
             continue

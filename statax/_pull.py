@@ -260,11 +260,12 @@ def _inline(trace, call, leaves, treedef, only, ran):
     function is traced straight into it, as it would be unpulled. Its marks are handed over as
     they are made, and the equations that hold marks further in (a `jit`, a loop) are
     rewritten where they stand."""
-    traced = _traced_mask(leaves, treedef)
-    leaves = [
-        jnp.asarray(x) if t and isinstance(x, _TRACED_PY_NUMBERS) else x
-        for x, t in zip(leaves, traced, strict=True)
-    ]
+    if any(isinstance(x, _TRACED_PY_NUMBERS) for x in leaves):  # traced, as `_trace` does
+        traced = _traced_mask(leaves, treedef)
+        leaves = [
+            jnp.asarray(x) if t and isinstance(x, _TRACED_PY_NUMBERS) else x
+            for x, t in zip(leaves, traced, strict=True)
+        ]
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
     start = _compat.trace_length(trace)
@@ -276,7 +277,7 @@ def _inline(trace, call, leaves, treedef, only, ran):
     new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
         out = jax.tree_util.tree_unflatten(out_def, new_leaves)
-    return out, _name(metas, flat, ran, {})
+    return out, _name(metas, flat, ran, _plans(metas))
 
 
 def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
@@ -496,6 +497,12 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
         else:
             inters[key] = meta.unflatten(_reduce.ran(meta, leaves))
     return inters
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(metas: tuple[StateMeta, ...]) -> dict:
+    """The `plans` of `_name` for `metas`, kept for the next trace of the same marks."""
+    return {}
 
 
 def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
