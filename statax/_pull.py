@@ -571,7 +571,10 @@ def pull(
         program order. Each key is a `str` that also knows where its value was saved,
         `key.location` (`"file.py:line"`), as `describe` shows. It composes with `jit`,
         `grad` (use `has_aux=True` outside), `vmap`, `jacfwd`, `jacrev`, `hessian` and
-        equinox's filtered transforms, in either order.
+        equinox's filtered transforms, in either order. Called where a jaxpr is being staged
+        (under `jit`, `make_jaxpr`, in a loop body), it traces `fn` straight into that jaxpr,
+        as `fn` alone would be, and stages the marked values as outputs, nothing else;
+        called eagerly, it traces `fn` once per argument types and shapes and caches that.
 
     Example:
         >>> import jax, jax.numpy as jnp, statax as stx
