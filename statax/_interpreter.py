@@ -428,9 +428,10 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
             metas, leaves = _reduce.merge(metas, leaves)
         return list(outs), list(leaves), tuple(metas)
     # Walk what was staged as one jaxpr (its free variables are the trace's), returning the
-    # outputs and the collected leaves; each value that is not a variable of the trace stands
-    # in as a fresh one, and comes back as it was.
-    values = [*outs, *collector.leaves]
+    # outputs that are the trace's tracers (the others cannot change) and the collected leaves
+    # (one that is not a tracer of the trace stands in as a fresh variable, and comes back).
+    staged_outs = [i for i, x in enumerate(outs) if _compat.var_of(trace, x) is not None]
+    values = [*(outs[i] for i in staged_outs), *collector.leaves]
     outvars = [_compat.var_of(trace, x) for x in values]
     outvars = [jex.Var(jax.typeof(x)) if v is None else v for v, x in zip(outvars, values)]
     effects = set().union(*(e.effects for e in eqns))
@@ -451,7 +452,10 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
         return _compat.tracer_of(trace, v)
 
     flat = [value(v) for v in new.outvars]
-    return flat[: len(outs)], flat[len(outs) :], metas
+    outs = list(outs)
+    for i, x in zip(staged_outs, flat, strict=False):
+        outs[i] = x
+    return outs, flat[len(staged_outs) :], metas
 
 
 def _fold_reduced(jaxpr: jex.Jaxpr, metas):

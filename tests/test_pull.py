@@ -295,6 +295,20 @@ def test_traced_pull_keeps_the_constants_of_what_it_rewrites():
     assert_tree_allclose(stx.pull(f)(2.0), expected)
 
 
+def test_traced_pull_rewriting_in_place_keeps_static_outputs():
+    def f(x):
+        ys = lax.scan(lambda c, t: (c, stx.save_inter(c * t, name="v")), x, jnp.arange(3.0))[1]
+        return ys, "train", 2.0
+
+    def g(x):
+        (ys, mode, scale), inters = stx.pull(f)(x)
+        assert (mode, scale) == ("train", 2.0)
+        return ys * scale, inters
+
+    expected = (jnp.arange(3.0) * 4.0, {"v_0": jnp.arange(3.0) * 2.0})
+    assert_tree_allclose(jax.jit(g)(2.0), expected)
+
+
 def test_a_python_float_argument_is_saved_traced_or_not():
     def f(x, scale):
         stx.save_inter(scale, name="scale")
