@@ -135,7 +135,7 @@ def make_chain(n):
     return f, f_hand
 
 
-def trace_ratio(label, make, args, repeats=15):
+def trace_ratio(label, make, args, repeats=41):
     """make() -> (f, f_hand), fresh each run."""
 
     def pulled():

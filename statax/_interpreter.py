@@ -290,7 +290,9 @@ def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
         return tuple(finder(eqn))
     if not eqn.params:
         return ()
-    found = tuple(m for sub in _compat.jaxprs_in_params(eqn.params) for m in find_saves(sub))
+    found: tuple[StateMeta, ...] = ()
+    for sub in _compat.jaxprs_in_params(eqn.params):
+        found += find_saves(sub)
     if found or not _compat.runs_python(eqn):
         return found
     return find_saves_in_impl(eqn)
