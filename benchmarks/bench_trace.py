@@ -171,7 +171,7 @@ def main():
     trace_ratio("MLP, 16 marks", lambda: make_mlp()[:2], (params, x))
     trace_ratio("training step (value_and_grad + SGD)", make_step, (params, x))
     trace_ratio("transformer layer in a scan", make_transformer, (tparams, tx))
-    for n, repeats in ((1_000, 11), (10_000, 5), (50_000, 3)):
+    for n, repeats in ((1_000, 21), (10_000, 9), (50_000, 5)):
         trace_ratio(f"straight line, {n} equations", lambda n=n: make_chain(n), (chain_x,), repeats)
 
     def marked():
