@@ -354,7 +354,7 @@ def staged(trace: Any, start: int) -> list[tuple[jex.JaxprEqn, Any]]:
     (`JaxprStackFrame.get_eqns`, which this mirrors)."""
     pairs = []
     for entry in trace.frame.tracing_eqns[start:]:
-        e = entry() if callable(entry) else entry
+        e = _held(entry)
         if isinstance(e, pe.TracingEqn):
             invars = [t.val for t in e.in_tracers]
             e = core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
@@ -371,8 +371,7 @@ def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[
     entries = {id(eqn): entry for eqn, entry in old}
     tracers: dict[int, Any] = {}
     for _, entry in old:
-        e = entry() if callable(entry) else entry
-        for t in getattr(e, "in_tracers", ()):
+        for t in getattr(_held(entry), "in_tracers", ()):
             tracers.setdefault(id(t.val), t)
     held = []
     for eqn in eqns:
@@ -393,6 +392,11 @@ _FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__
 
 def _same(x):
     return x
+
+
+def _held(entry: Any) -> Any:
+    """The equation a frame's entry holds (see `staged`)."""
+    return entry() if callable(entry) else entry
 
 
 def var_of(trace: Any, x: Any) -> Any:

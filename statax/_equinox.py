@@ -67,7 +67,6 @@ def equinox_noinline() -> tuple[jex.Primitive, Callable]:
 
 
 @functools.cache
-@functools.cache
 def _vprim_impls() -> dict:
     """equinox's registry of vprims and their impls (one dict, filled as vprims are made)."""
     from equinox.internal import _primitive

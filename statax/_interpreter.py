@@ -432,10 +432,14 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     # Walk what was staged as one jaxpr (its free variables are the trace's), returning the
     # outputs that are the trace's tracers (the others cannot change) and the collected leaves
     # (one that is not a tracer of the trace stands in as a fresh variable, and comes back).
-    staged_outs = [i for i, x in enumerate(outs) if _compat.var_of(trace, x) is not None]
+    out_vars = [_compat.var_of(trace, x) for x in outs]
+    staged_outs = [i for i, v in enumerate(out_vars) if v is not None]
     values = [*(outs[i] for i in staged_outs), *collector.leaves]
-    outvars = [_compat.var_of(trace, x) for x in values]
-    outvars = [jex.Var(jax.typeof(x)) if v is None else v for v, x in zip(outvars, values)]
+    leaf_vars = [_compat.var_of(trace, x) for x in collector.leaves]
+    outvars = [out_vars[i] for i in staged_outs] + [
+        jex.Var(jax.typeof(x)) if v is None else v
+        for v, x in zip(leaf_vars, collector.leaves, strict=True)
+    ]
     effects = set().union(*(e.effects for e in eqns))
     jaxpr = jex.Jaxpr([], [], outvars, eqns, effects, _compat.debug_info("pull"))
     _known_marks(jaxpr, marks_in)
