@@ -277,6 +277,36 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching.fancy_primitive_batchers[prim] = fancy
 
 
+def register_dce_rule(prim: jex.Primitive, keep: Callable[[jex.JaxprEqn], bool]) -> None:
+    """Have dead-code elimination keep an equation of `prim` where `keep(eqn)`, as if its
+    outputs were read, and treat it as any other elsewhere (`pe.dce_rules`; a rule takes
+    `(used_outputs, eqn)` in JAX 0.8 -- 0.11 and `(used_outputs, live_inputs, eqn)` in 0.12)."""
+
+    def rule(used_outputs, *rest):
+        eqn = rest[-1]
+        if keep(eqn):
+            return [True] * len(eqn.invars), eqn
+        return pe._default_dce_rule(used_outputs, *rest)
+
+    pe.dce_rules[prim] = rule
+
+
+def register_partial_eval_keeping(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
+    """In partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work,
+    `linearize` of a primitive without a rule of its own), stage an equation of `prim` with
+    unknown inputs as any other, and keep it where `keep(params)` even if nothing reads its
+    outputs, as an effectful one is kept (`JaxprTrace.effect_handles`, JAX 0.8 -- 0.12)."""
+
+    def rule(trace, *tracers, **params):
+        outs = trace.default_process_primitive(prim, tracers, params)
+        recipe = getattr(outs[0], "recipe", None) if outs else None
+        if isinstance(recipe, pe.JaxprEqnRecipe) and keep(params):
+            trace.effect_handles.append(pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+
+    pe.custom_partial_eval_rules[prim] = rule
+
+
 def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:
     """Register `rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn, unks_out,
     inst_out, residuals)`, how `jax.checkpoint`'s partial evaluation splits an equation of
@@ -327,6 +357,64 @@ def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> li
     # as much as the rest: a mark lowers to nothing, and its meta has its location.
     source_info = source_info_util._source_info_context.context
     return trace.emit_eqn(list(args), avals, prim, params, effects, source_info)
+
+
+def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
+    """Stage an equation of `prim` that reads `args` and defines nothing (its outputs are
+    dropped, `_`), into the jaxpr trace in force, when every one of `args` is a tracer of it;
+    `False` elsewhere (then bind). The program reads on from `args` themselves, so the
+    equation costs no new variable or tracer; the frame holds it whatever its auto-DCE (as
+    `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and `prim`'s DCE
+    and partial evaluation rules keep it (`register_dce_rule`,
+    `register_partial_eval_keeping`)."""
+    trace = core.trace_ctx.trace
+    if type(trace) is not pe.DynamicJaxprTrace:
+        return False
+    for x in args:
+        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
+            return False
+    _stage_observer(trace, prim, list(args), params)
+    return True
+
+
+def staged_here(x: Any) -> bool:
+    """Whether `x` is a tracer of the jaxpr trace in force."""
+    return type(x) is pe.DynamicJaxprTracer and x._trace is core.trace_ctx.trace
+
+
+def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> None:
+    """`observe` of one value that is `staged_here`."""
+    _stage_observer(x._trace, prim, [x], params)
+
+
+def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -> None:
+    outvars = [core.DropVar(x.aval) for x in args]
+    source_info = source_info_util._source_info_context.context
+    # The context of the equation that made the first input (JAX 0.10 -- 0.12 keep it as the
+    # tracer's `parent`), rather than the current one, which costs as much as the rest to look
+    # up: the equation lowers to nothing, and a `pull` takes it out.
+    parent = getattr(args[0], "parent", None) if args else None
+    ctx = _eqn_context() if parent is None else parent.ctx
+    e = pe.TracingEqn(args, outvars, prim, params, NO_EFFECTS, source_info, ctx)
+    trace.frame.tracing_eqns.append(e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e))
+
+
+if hasattr(core, "current_jaxpr_eqn_context"):  # JAX 0.10 -- 0.12 (cached)
+    _eqn_context = core.current_jaxpr_eqn_context
+else:  # JAX 0.8 -- 0.9: as `DynamicJaxprTrace.make_eqn` makes it
+    from jax._src import xla_metadata_lib  # isort: skip
+
+    def _eqn_context() -> Any:
+        return core.JaxprEqnContext(
+            jax_config.compute_on_context_manager.value,
+            jax_config.threefry_partitionable.value,
+            xla_metadata_lib.current_xla_metadata(),
+        )
+
+
+def defines_nothing(eqn: jex.JaxprEqn) -> bool:
+    """Whether every output of `eqn` is dropped (`_`), as `observe` stages them."""
+    return all(type(v) is core.DropVar for v in eqn.outvars)
 
 
 def trace_length(trace: Any) -> int:

@@ -3,14 +3,19 @@
 Without `pull`, `save_inter_p` is the identity and costs nothing once compiled: it lowers to no
 op, its JVP saves the primal and passes tangents through, it transposes to the identity, and
 under `vmap` it hands its operands on untouched (the batch axis is moved to 0 only on the copy
-that is saved). Two things keep a mark alive where JAX would otherwise lose or repeat it:
+that is saved). Three things keep a mark alive where JAX would otherwise lose or repeat it:
 
 * while a `pull` traces it (`status="collecting"`) it carries `SaveEffect`, so that no dead-code
-  elimination drops it, and `pull(grad(jit(f)))` still collects a value nobody reads. Outside
-  a `pull` it has no effect, and XLA removes it like any identity;
+  elimination drops it, and `pull(grad(jit(f)))` still collects a value nobody reads;
+* outside a `pull` (`status="idle"`) it has no effect. Staged into a jaxpr, it is an equation
+  that reads the value and defines nothing (its outputs are `_`; the program reads on from the
+  value itself), which is the least a mark can cost in a trace, lowers to nothing, and stays in
+  the jaxpr through dead-code elimination and partial evaluation, so that a later `pull` of the
+  jaxpr (equinox's `noinline`, a jaxpr built ahead of time) collects it;
 * `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
   rematerialisation replays in the backward pass into an inert one (`status="inert"`), so that
-  each value is collected once, not once per recomputation.
+  each value is collected once, not once per recomputation (an idle mark, which defines
+  nothing, is not replayed at all).
 """
 
 from __future__ import annotations
@@ -118,15 +123,19 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     name = _compat.SCOPE.value + name
-    if isinstance(value, jax.Array):  # the common case, without flattening
+    if not _compat.PULLING.value and _compat.staged_here(value):
+        # The common case, as cheap as it can be: one array, staged into a jaxpr, no pull.
+        _compat.observe_staged(save_inter_p, value, _array_params(name, _caller(), reduce))
+        return value
+    if isinstance(value, jax.Array):  # one array, without flattening
         arrays = [value]
-        meta = _array_meta(name, _caller(), reduce)
+        meta = _array_params(name, _caller(), reduce)["meta"]
     else:
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     if not _compat.PULLING.value:
         outs = _stage(arrays, meta, IDLE)
-        return outs[0] if meta.static_leaves is _ONE_ARRAY else meta.unflatten(outs)
+        return value if outs is arrays else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and name in planting.names and arrays:
         arrays = planting.plant(meta, arrays, value)
@@ -157,9 +166,15 @@ def _bind(arrays: list, meta: StateMeta, status: str) -> list:
 
 
 def _stage(arrays: list, meta: StateMeta, status: str) -> list:
-    """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`)."""
-    effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
+    """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`). An idle mark
+    staged into a jaxpr defines nothing: it only reads `arrays`, which it returns (see
+    `_compat.observe`), so that a mark costs one equation and no other work."""
     params = {"meta": meta, "status": status}
+    if status == IDLE:
+        if _compat.observe(save_inter_p, arrays, params):
+            return arrays
+        return save_inter_p.bind(*arrays, **params)
+    effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
     outs = _compat.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
 
@@ -168,10 +183,11 @@ _SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 
 
 @functools.lru_cache(maxsize=4096)
-def _array_meta(name: str, site: tuple, reduce: str | None) -> StateMeta:
-    """The meta of a mark on one array at `site` (`_caller()`), made once per site and name
-    (metas are immutable)."""
-    return StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
+def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
+    """The params of an idle mark on one array at `site` (`_caller()`), made once per site and
+    name (equations share them: JAX never edits an equation's params in place)."""
+    meta = StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
+    return {"meta": meta, "status": IDLE}
 
 
 _LEAF = jax.tree_util.tree_structure(0)
@@ -306,6 +322,8 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
         return None, eqn, [True] * n, [True] * n, residuals
     if eqn.params["status"] == INPUT:  # a value fed in: kept for the backward pass, not rerun
         return eqn, None, [False] * n, [False] * n, []
+    if _compat.defines_nothing(eqn):  # an idle mark that only reads: nothing to replay
+        return eqn, None, [False] * n, [False] * n, []
     params = dict(eqn.params, status=INERT)
     _, effects = save_inter_p.abstract_eval(*[x.aval for x in eqn.invars], **params)
     staged = eqn.replace(params=params, effects=effects)
@@ -313,3 +331,9 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 
 
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
+
+
+# An idle mark defines nothing that is read (see `_stage`), and a later `pull` of the jaxpr
+# collects it: dead-code elimination and partial evaluation keep it all the same.
+_compat.register_dce_rule(save_inter_p, lambda eqn: eqn.params["status"] == IDLE)
+_compat.register_partial_eval_keeping(save_inter_p, lambda params: params["status"] == IDLE)

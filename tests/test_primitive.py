@@ -2,8 +2,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxpr_as_fun
 
 import statax as stx
+from statax import _compat
 from statax.testing import assert_tree_allclose
 
 
@@ -80,3 +82,61 @@ def test_impl_runs_eagerly():
 def _params():
     jaxpr = jax.make_jaxpr(lambda x: stx.save_inter(x))(1.0)
     return jaxpr.eqns[0].params
+
+
+def test_an_unpulled_mark_is_one_equation_that_only_reads():
+    # Outside a pull a mark reads its value and defines nothing (`_`): the program reads on
+    # from the value itself, so the jaxpr is the hand-written one plus that equation.
+    def f(x):
+        y = jnp.sin(x)
+        assert stx.save_inter(y, name="y") is y
+        return jnp.cos(y)
+
+    def by_hand(x):
+        return jnp.cos(jnp.sin(x))
+
+    jaxpr = jax.make_jaxpr(f)(1.0).jaxpr
+    sin, mark, cos = jaxpr.eqns
+    assert mark.primitive is stx.extend.save_inter_p and mark.params["status"] == "idle"
+    assert mark.invars == sin.outvars == cos.invars
+    assert str(mark.outvars[0]) == "_"
+    unmarked = jaxpr.replace(eqns=[sin, cos])
+    assert str(unmarked) == str(jax.make_jaxpr(by_hand)(1.0).jaxpr)
+
+
+def dead_in_scan(x):
+    def body(c, _):
+        stx.save_inter(jnp.sin(c), name="dead")  # read by nothing
+        return c * 2.0, None
+
+    return jax.lax.scan(body, x, None, length=3)[0]
+
+
+def test_unpulled_marks_survive_dead_code_elimination_and_partial_evaluation():
+    # A jaxpr traced without a pull keeps its marks however JAX transforms it, though nothing
+    # reads them: `grad` of a scan evaluates its body partially (hoisting loop-invariant work)
+    # and eliminates dead code. Pulled later, the jaxpr returns them.
+    closed = jax.make_jaxpr(jax.grad(dead_in_scan))(0.5)
+    rewritten = stx.extend.pull_jaxpr(closed)
+    assert [m.name for m in rewritten.outs] == ["dead"]
+    out, dead = jaxpr_as_fun(rewritten.jaxpr)(0.5)
+    assert_tree_allclose(out, 8.0)
+    assert_tree_allclose(dead, jnp.sin(0.5 * 2.0 ** jnp.arange(3)))
+
+    def f(x):
+        stx.save_inter(jnp.sin(x), name="dead")
+        return x * 2
+
+    kept, used = _compat.dce(jax.make_jaxpr(f)(0.5).jaxpr, [True])
+    assert [e.primitive.name for e in kept.eqns] == ["sin", "save_inter", "mul"] and used == [True]
+
+
+def test_an_unpulled_mark_under_checkpoint_is_not_replayed():
+    def h(x):
+        return jnp.cos(stx.save_inter(jnp.sin(x), name="s"))
+
+    closed = jax.make_jaxpr(jax.grad(jax.checkpoint(h)))(0.5)
+    assert str(closed).count("save_inter[") == 1  # in the forward pass only
+    rewritten = stx.extend.pull_jaxpr(closed)
+    grad, s = jaxpr_as_fun(rewritten.jaxpr)(0.5)
+    assert_tree_allclose((grad, s), (-jnp.sin(jnp.sin(0.5)) * jnp.cos(0.5), jnp.sin(0.5)))
