@@ -123,10 +123,15 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     name = _compat.SCOPE.value + name
-    if not _compat.PULLING.value and _compat.staged_here(value):
-        # The common case, as cheap as it can be: one array, staged into a jaxpr, no pull.
-        _compat.observe_staged(save_inter_p, value, _array_params(name, _caller(), reduce))
-        return value
+    if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
+        # The common case, as cheap as it can be (every call counts, in a trace): one array,
+        # staged into a jaxpr, no pull.
+        frame = sys._getframe(1)
+        site = (frame.f_code, frame.f_lineno)
+        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            site = _caller()
+        if _compat.observe_staged(save_inter_p, value, _array_params(name, site, reduce)):
+            return value
     if isinstance(value, jax.Array):  # one array, without flattening
         arrays = [value]
         meta = _array_params(name, _caller(), reduce)["meta"]
