@@ -9,7 +9,8 @@ Every figure is the median ratio of interleaved runs against the same work writt
   (`value_and_grad` + SGD), a transformer layer in a `lax.scan`, and straight-line programs of
   1k / 10k / 50k equations with a mark every 10;
 * unpulled marks: `jax.make_jaxpr(f)` / `jax.make_jaxpr(f_plain)` (no `pull`; `f_plain` has no
-  `save_inter`), on the MLP;
+  `save_inter`), on the MLP; and, for scale, the floor of any mark that stages an equation:
+  the same MLP staging a bare mark per layer (params made ahead of time, no checks) / `f_plain`;
 * dispatch: eager `stx.pull(jax.jit(f))(...)` / `jax.jit(f_hand)(...)`, second and later calls,
   on a 16-layer MLP of width 64 and batch 8.
 
@@ -23,10 +24,28 @@ from bench_core import by_hand, init, marked, unmarked
 from jax import lax
 
 import statax as stx
+from statax import _compat
+from statax._meta import ARRAY
+from statax._primitive import IDLE
 
 
 def mlp_params(width, key=0):
     return init(jax.random.key(key), width)
+
+
+# An unpulled mark's params, made once (statax makes them once per call site and name).
+_BARE_PARAMS = {
+    "meta": stx.extend.StateMeta("layer", jax.tree_util.tree_structure(0), (ARRAY,)),
+    "status": IDLE,
+}
+
+
+def bare_marks(params, x):
+    """`unmarked`, with a bare unpulled mark on each layer: the least a staged mark can cost."""
+    for w in params:
+        x = jnp.tanh(x @ w)
+        _compat.observe_staged(stx.extend.save_inter_p, x, _BARE_PARAMS)
+    return jnp.sum(x)
 
 
 # ---- the MLP (bench_core's) -----------------------------------------------------------------
@@ -180,10 +199,18 @@ def main():
     def plain():
         jax.make_jaxpr(make_mlp()[2])(params, x)
 
+    def bare():
+        jax.make_jaxpr(lambda *args: bare_marks(*args))(params, x)
+
     report(
         "unpulled marks: make_jaxpr(f) / make_jaxpr(f_plain), MLP",
         "<= 1.05",
-        *interleaved_ratio(marked, plain, repeats=31),
+        *interleaved_ratio(marked, plain, repeats=41),
+    )
+    report(
+        "  floor: a bare staged mark per layer / f_plain",
+        "(info)",
+        *interleaved_ratio(bare, plain, repeats=41),
     )
 
     small, sx = mlp_params(64), jax.random.normal(jax.random.key(3), (8, 64))
