@@ -140,3 +140,36 @@ def test_an_unpulled_mark_under_checkpoint_is_not_replayed():
     rewritten = stx.extend.pull_jaxpr(closed)
     grad, s = jaxpr_as_fun(rewritten.jaxpr)(0.5)
     assert_tree_allclose((grad, s), (-jnp.sin(jnp.sin(0.5)) * jnp.cos(0.5), jnp.sin(0.5)))
+
+
+def marked_throughout(x):
+    def body(c, a):
+        return stx.save_inter(jnp.sin(c) + a, name="carry"), None
+
+    c, _ = jax.lax.scan(body, x, jnp.arange(3.0))
+    y = jax.jit(lambda v: stx.save_inter(v * 2.0, name="in_jit"))(c)
+    return jnp.sum(stx.save_inter(jnp.cos(y), name="out"))
+
+
+def marked_throughout_by_hand(x):
+    def body(c, a):
+        c = jnp.sin(c) + a
+        return c, c
+
+    c, carries = jax.lax.scan(body, x, jnp.arange(3.0))
+    return {"carry_0": carries, "in_jit_0": c * 2.0, "out_0": jnp.cos(c * 2.0)}
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [lambda f: f, jax.jit, jax.grad, jax.jacfwd, lambda f: jax.grad(jax.checkpoint(f))],
+    ids=["plain", "jit", "grad", "jacfwd", "grad_checkpoint"],
+)
+def test_a_jaxpr_traced_without_pull_gives_its_marks_to_a_later_pull(transform):
+    x = jnp.float32(0.3)
+    rewritten = stx.extend.pull_jaxpr(jax.make_jaxpr(transform(marked_throughout))(x))
+    flat = jaxpr_as_fun(rewritten.jaxpr)(x)
+    assert [m.name for m in rewritten.outs] == ["carry", "in_jit", "out"]
+    inters = {f"{m.name}_0": v for m, v in zip(rewritten.outs, flat[1:], strict=True)}
+    assert_tree_allclose(flat[0], transform(marked_throughout)(x))
+    assert_tree_allclose(inters, marked_throughout_by_hand(x))
