@@ -93,6 +93,8 @@ __all__ = [
     "shard_map_manual_axes",
     "shard_map_parts",
     "staged",
+    "staged_as_held",
+    "as_equation",
     "staging_trace",
     "trace_context",
     "trace",
@@ -450,15 +452,24 @@ def staged(trace: Any, start: int) -> list[tuple[jex.JaxprEqn, Any]]:
     A frame holds `TracingEqn`s (inputs as tracers, read when the jaxpr is made) behind a
     callable (JAX 0.8 -- 0.9) or as they are (0.10 -- 0.12), where it also holds `JaxprEqn`s
     (`JaxprStackFrame.get_eqns`, which this mirrors)."""
-    pairs = []
-    for entry in trace.frame.tracing_eqns[start:]:
-        e = _held(entry)
-        if isinstance(e, pe.TracingEqn):
-            invars = [t.val for t in e.in_tracers]
-            e = core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
-                              e.source_info, e.ctx)  # fmt: skip
-        pairs.append((e, entry))
-    return pairs
+    return [(as_equation(_held(entry)), entry) for entry in trace.frame.tracing_eqns[start:]]
+
+
+def staged_as_held(trace: Any, start: int) -> list:
+    """The equations of `staged`, as the frame holds them (a `TracingEqn` reads tracers where a
+    `JaxprEqn` reads variables): enough to search them by primitive and params, without making
+    an object per equation (which, for a long program, costs more in garbage collection than
+    the search itself). `as_equation` makes one a `JaxprEqn`."""
+    return [_held(entry) for entry in trace.frame.tracing_eqns[start:]]
+
+
+def as_equation(e: Any) -> jex.JaxprEqn:
+    """`e`, an equation of `staged_as_held`, as a `JaxprEqn`."""
+    if isinstance(e, pe.TracingEqn):
+        invars = [t.val for t in e.in_tracers]
+        return core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
+                             e.source_info, e.ctx)  # fmt: skip
+    return e
 
 
 def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[tuple]) -> None:

@@ -285,9 +285,11 @@ def _known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+    # (`eqn` may be an equation as a trace holds it, `_compat.staged_as_held`: a finder gets it
+    # as a `JaxprEqn`.)
     _, finder = _rules_for(eqn)
     if finder is not None:
-        return tuple(finder(eqn))
+        return tuple(finder(_compat.as_equation(eqn)))
     if not eqn.params:
         return ()
     found: tuple[StateMeta, ...] = ()
@@ -421,14 +423,14 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     Returns `(outs, leaves, metas)`: `outs` (the function's flat outputs) as they now are, the
     flat leaves of the intermediates, and their metas, in program order."""
     metas = tuple(meta for _, meta in collector.marks)
-    staged = _compat.staged(trace, start)
-    eqns = [eqn for eqn, _ in staged]
-    marks_in = _saves_in(eqns)
+    marks_in = _saves_in(_compat.staged_as_held(trace, start))
     if not marks_in[0]:  # the usual case: every mark was collected as it was made
         leaves = collector.leaves
         if any(m.reduce is not None for m in metas):
             metas, leaves = _reduce.merge(metas, leaves)
         return list(outs), list(leaves), tuple(metas)
+    staged = _compat.staged(trace, start)
+    eqns = [eqn for eqn, _ in staged]
     # Walk what was staged as one jaxpr (its free variables are the trace's), returning the
     # outputs that are the trace's tracers (the others cannot change) and the collected leaves
     # (one that is not a tracer of the trace stands in as a fresh variable, and comes back).
