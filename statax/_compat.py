@@ -285,14 +285,14 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching.fancy_primitive_batchers[prim] = fancy
 
 
-def register_dce_rule(prim: jex.Primitive, keep: Callable[[jex.JaxprEqn], bool]) -> None:
-    """Have dead-code elimination keep an equation of `prim` where `keep(eqn)`, as if its
+def register_dce_rule(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
+    """Have dead-code elimination keep an equation of `prim` where `keep(params)`, as if its
     outputs were read, and treat it as any other elsewhere (`pe.dce_rules`; a rule takes
     `(used_outputs, eqn)` in JAX 0.8 -- 0.11 and `(used_outputs, live_inputs, eqn)` in 0.12)."""
 
     def rule(used_outputs, *rest):
         eqn = rest[-1]
-        if keep(eqn):
+        if keep(eqn.params):
             return [True] * len(eqn.invars), eqn
         return pe._default_dce_rule(used_outputs, *rest)
 
@@ -354,12 +354,9 @@ def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> li
     its generic work (abstract evaluation, constant folding, checks that do not apply, the
     Python traceback). `None` elsewhere: then bind. (`DynamicJaxprTrace.emit_eqn`, and the
     source info context, the same in JAX 0.8 -- 0.12.)"""
-    trace = core.trace_ctx.trace
-    if type(trace) is not pe.DynamicJaxprTrace:
+    trace = _tracing_all(args)
+    if trace is None:
         return None
-    for x in args:
-        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
-            return None
     avals = [x.aval for x in args]
     # The context's source info (its name stack) without the Python traceback, which costs
     # as much as the rest: a mark lowers to nothing, and its meta has its location.
@@ -375,14 +372,22 @@ def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
     `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and `prim`'s DCE
     and partial evaluation rules keep it (`register_dce_rule`,
     `register_partial_eval_keeping`)."""
-    trace = core.trace_ctx.trace
-    if type(trace) is not pe.DynamicJaxprTrace:
+    trace = _tracing_all(args)
+    if trace is None:
         return False
-    for x in args:
-        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
-            return False
     _stage_observer(trace, prim, list(args), params)
     return True
+
+
+def _tracing_all(args: Sequence[Any]) -> Any:
+    """The jaxpr trace in force, if every one of `args` is a tracer of it; else `None`."""
+    trace = core.trace_ctx.trace
+    if type(trace) is not pe.DynamicJaxprTrace:
+        return None
+    for x in args:
+        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
+            return None
+    return trace
 
 
 # The type of a tracer of a jaxpr being staged (`DynamicJaxprTracer`, JAX 0.8 -- 0.12).
@@ -408,7 +413,7 @@ def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -
     parent = getattr(args[0], "parent", None) if args else None
     ctx = _eqn_context() if parent is None else parent.ctx
     e = pe.TracingEqn(args, outvars, prim, params, NO_EFFECTS, source_info, ctx)
-    trace.frame.tracing_eqns.append(e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e))
+    trace.frame.tracing_eqns.append(_hold(e))
 
 
 if hasattr(core, "current_jaxpr_eqn_context"):  # JAX 0.10 -- 0.12 (cached)
@@ -488,9 +493,8 @@ def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[
         if entry is None:
             ins = [tracers.get(id(x)) for x in eqn.invars]
             ins = [tracer_of(trace, x) if t is None else t for t, x in zip(ins, eqn.invars)]
-            e = pe.TracingEqn(ins, eqn.outvars, eqn.primitive, eqn.params, eqn.effects,
-                              eqn.source_info, eqn.ctx)  # fmt: skip
-            entry = e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e)
+            entry = _hold(pe.TracingEqn(ins, eqn.outvars, eqn.primitive, eqn.params,
+                                        eqn.effects, eqn.source_info, eqn.ctx))  # fmt: skip
         held.append(entry)
     trace.frame.tracing_eqns[start:] = held
 
@@ -501,6 +505,11 @@ _FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__
 
 def _same(x):
     return x
+
+
+def _hold(e: Any) -> Any:
+    """A frame's entry for `e`, a `TracingEqn`, held whatever the frame's auto-DCE."""
+    return e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e)
 
 
 def _held(entry: Any) -> Any:

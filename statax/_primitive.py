@@ -338,7 +338,11 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
 
 
-# An idle mark defines nothing that is read (see `_stage`), and a later `pull` of the jaxpr
-# collects it: dead-code elimination and partial evaluation keep it all the same.
-_compat.register_dce_rule(save_inter_p, lambda eqn: eqn.params["status"] == IDLE)
-_compat.register_partial_eval_keeping(save_inter_p, lambda params: params["status"] == IDLE)
+def _idle(params: dict) -> bool:
+    # An idle mark defines nothing that is read (see `_stage`), and a later `pull` of the jaxpr
+    # collects it: dead-code elimination and partial evaluation keep it all the same.
+    return params["status"] == IDLE
+
+
+_compat.register_dce_rule(save_inter_p, _idle)
+_compat.register_partial_eval_keeping(save_inter_p, _idle)
