@@ -110,6 +110,19 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         >>> stx.pull(f)(jnp.float32(1.0))
         (Array(3., dtype=float32), {'y_0': Array(2., dtype=float32)})
     """
+    if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
+        # The common case, as cheap as it can be (every call counts, in a trace): one array,
+        # staged into a jaxpr, no pull, at a call site seen before.
+        frame = sys._getframe(1)
+        try:
+            params = _SITES.get(
+                (id(frame.f_code), frame.f_lasti, name, reduce, _compat.SCOPE.value)
+            )
+        except TypeError:  # an unhashable name or mode: said below
+            params = None
+        if params is not None and _compat.observe_staged(save_inter_p, value, params):
+            return value
+    given_name = name
     if name is None:
         name = "state"
     if not isinstance(name, str):
@@ -122,16 +135,18 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"save_inter(..., reduce={reduce!r}) at {_caller_location()}: reduce must be one of "
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
-    name = _compat.SCOPE.value + name
+    scope = _compat.SCOPE.value
     if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
-        # The common case, as cheap as it can be (every call counts, in a trace): one array,
-        # staged into a jaxpr, no pull.
         frame = sys._getframe(1)
-        site = (frame.f_code, frame.f_lineno)
-        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            site = _caller()
-        if _compat.observe_staged(save_inter_p, value, _array_params(name, site, reduce)):
+        code = frame.f_code
+        inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
+        site = _caller() if inside else (code, frame.f_lineno)
+        params = _array_params(scope + name, site, reduce)
+        if _compat.observe_staged(save_inter_p, value, params):
+            if not inside:
+                _remember(code, frame.f_lasti, given_name, reduce, scope, params)
             return value
+    name = scope + name
     if isinstance(value, jax.Array):  # one array, without flattening
         arrays = [value]
         meta = _array_params(name, _caller(), reduce)["meta"]
@@ -193,6 +208,20 @@ def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
     name (equations share them: JAX never edits an equation's params in place)."""
     meta = StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
     return {"meta": meta, "status": IDLE}
+
+
+# (id of the calling code, its instruction, name, reduce, scope) -> `_array_params` there, for
+# the fast path of `save_inter`, which only looks up what the slow path checked and made.
+_SITES: dict[tuple, dict] = {}
+_SITE_CODES: dict[int, object] = {}  # id -> code object: no id in `_SITES` is reused
+
+
+def _remember(code, instruction: int, name, reduce, scope: str, params: dict) -> None:
+    if len(_SITES) >= 4096:
+        _SITES.clear()
+        _SITE_CODES.clear()
+    _SITE_CODES[id(code)] = code
+    _SITES[(id(code), instruction, name, reduce, scope)] = params
 
 
 _LEAF = jax.tree_util.tree_structure(0)

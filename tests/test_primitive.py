@@ -173,3 +173,73 @@ def test_a_jaxpr_traced_without_pull_gives_its_marks_to_a_later_pull(transform):
     inters = {f"{m.name}_0": v for m, v in zip(rewritten.outs, flat[1:], strict=True)}
     assert_tree_allclose(flat[0], transform(marked_throughout)(x))
     assert_tree_allclose(inters, marked_throughout_by_hand(x))
+
+
+def marks_at_one_site(x, reduce=None):
+    for i in range(2):
+        x = stx.save_inter(jnp.sin(x), name=f"l{i}", reduce=reduce)  # one call site
+    return x
+
+
+def test_a_call_site_seen_before_names_its_marks_as_the_first_time():
+    # An unpulled mark at a call site statax has seen looks up what it made there, keyed by
+    # everything that shapes it: the name, the mode and the enclosing scope.
+    line = marks_at_one_site.__code__.co_firstlineno + 2
+    where = f"test_primitive.py:{line}"
+
+    def metas(fn):
+        eqns = jax.make_jaxpr(fn)(0.5).eqns
+        return [(e.params["meta"].name, e.params["meta"].reduce, e.params["meta"].location)
+                for e in eqns if e.primitive is stx.extend.save_inter_p]  # fmt: skip
+
+    def scoped(scope, reduce=None):
+        def fn(x):
+            with stx.scope(scope):
+                return marks_at_one_site(x, reduce)
+
+        return fn
+
+    for _ in range(2):
+        assert [(n, r, loc.rsplit("/", 1)[-1]) for n, r, loc in metas(marks_at_one_site)] == [
+            ("l0", None, where),
+            ("l1", None, where),
+        ]
+        assert [n for n, _, _ in metas(scoped("a"))] == ["a/l0", "a/l1"]
+        assert [(n, r) for n, r, _ in metas(scoped("b", "stack"))] == [
+            ("b/l0", "stack"),
+            ("b/l1", "stack"),
+        ]
+
+
+def test_bad_input_at_a_call_site_seen_before_is_still_an_error():
+    def f(x, name, reduce=None):
+        return stx.save_inter(x, name=name, reduce=reduce)
+
+    jax.make_jaxpr(lambda x: f(x, "ok"))(1.0)
+    with pytest.raises(TypeError, match=r"needs a string name.*test_primitive.py:\d+"):
+        jax.make_jaxpr(lambda x: f(x, ["unhashable"]))(1.0)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        jax.make_jaxpr(lambda x: f(x, "ok", "median"))(1.0)
+
+
+def test_a_mark_on_a_value_nobody_keeps_leaves_a_well_formed_jaxpr():
+    # An unpulled mark on a value made by an equation holds only its variable, not the tracer:
+    # the tracer may die at once, and the jaxpr still defines what the mark reads.
+    import gc
+
+    def f(x):
+        stx.save_inter(jnp.sin(x), name="dropped")  # the tracer of sin(x) dies here
+        gc.collect()
+        stx.save_inter(x, name="input")  # a tracer made by no equation
+        return jnp.cos(x)
+
+    def by_hand(x):
+        return jnp.cos(x), {"dropped_0": jnp.sin(x), "input_0": x}
+
+    closed = jax.make_jaxpr(f)(0.5)
+    assert [e.primitive.name for e in closed.eqns] == ["sin", "save_inter", "save_inter", "cos"]
+    rewritten = stx.extend.pull_jaxpr(closed)
+    out, *inters = jaxpr_as_fun(rewritten.jaxpr)(0.5)
+    names = {f"{m.name}_0": v for m, v in zip(rewritten.outs, inters, strict=True)}
+    assert_tree_allclose((out, names), by_hand(0.5))
+    assert_tree_allclose(stx.pull(f)(0.5), by_hand(0.5))
