@@ -345,6 +345,11 @@ def current_trace() -> Any:
     return core.trace_ctx.trace
 
 
+def eager() -> bool:
+    """Whether a `bind` now runs at once (no trace in force: `EvalTrace`, JAX 0.8 -- 0.12)."""
+    return type(core.trace_ctx.trace) is core.EvalTrace
+
+
 NO_EFFECTS = core.no_effects
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -94,13 +95,12 @@ class _Pulled:
 
     def __call__(self, *args, **kwargs):
         known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
-        if known is not None and known[0] == _GENERATION[0]:
-            # An eager call on arrays of a pull that has run compiled: straight to it.
-            leaves = jax.tree_util.tree_leaves((args, kwargs), _nnx.node_test())
-            if all(map(_is_array, leaves)):
-                result = _run_compiled(known[2], known[1], args, kwargs)
-                if result is not None:
-                    return result
+        if known is not None and known[0] == _GENERATION[0] and _compat.eager():
+            # An eager call of a pull that has run compiled: straight to it, which takes the
+            # call if it is on arrays (see `_run_compiled`).
+            result = _run_compiled(known[2], known[1], args, kwargs)
+            if result is not None:
+                return result
         return call_pulled(self, args, kwargs)
 
 
@@ -184,12 +184,29 @@ jax.tree_util.register_pytree_node(
 
 def _run_compiled(compiled, tree, args, kwargs) -> tuple | None:
     """`(out, intermediates)` from the compiled evaluation, or None where, for these arguments,
-    the function is not one `jit`."""
+    the function is not one `jit` or they are not all arrays: then the call takes the path of
+    any other (which raises any error that is the function's own).
+
+    A call checks nothing that `jax.jit` does not. Its caches find the evaluation compiled only
+    for arguments of the tree and types of arrays that traced it (`evaluate` refuses anything
+    else when it traces); a Python or NumPy number or array of those types runs it too, as
+    the function, one `jit`, would run them. `jit` refuses what is not a JAX type."""
+    _CALL.arguments, _CALL.traced = (tree, args, kwargs), False
     try:
         out, inters = compiled(tree, *args, **kwargs)
     except _NotCompiled:
         return None
+    except Exception:
+        if _CALL.traced:  # the function's own error
+            raise
+        return None  # refused by `jit` itself
+    finally:
+        _CALL.arguments = None
     return out, dict(zip(inters.keys, inters.values, strict=True))
+
+
+# `arguments`: those of the call of a compiled evaluation under way; `traced`: whether it traced.
+_CALL = threading.local()
 
 
 def _compile(root, call, only, ran) -> None:
@@ -204,6 +221,11 @@ def _compile(root, call, only, ran) -> None:
 def _evaluation(root_ref, plain: bool, only, ran) -> Callable:
     # `root` is held weakly, so that the cache entry this lives in does not keep it alive.
     def evaluate(tree, *args, **kwargs):
+        _CALL.traced = True
+        arguments = getattr(_CALL, "arguments", None)  # the call's own, not their tracers
+        leaves = jax.tree_util.tree_leaves(arguments, _nnx.node_test())
+        if arguments is None or not all(map(_is_array, leaves)):
+            raise _NotCompiled
         root = root_ref()
         if plain:
             call = functools.partial(_call_plain, root)

@@ -1,5 +1,6 @@
 """`pull` against hand-written references: naming, pytrees, composition, DCE, caching."""
 
+import functools
 import gc
 import inspect
 import weakref
@@ -7,6 +8,7 @@ import weakref
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -456,6 +458,41 @@ def test_eager_calls_that_cannot_run_compiled_evaluate():
     g, ref = _jitted_layers(2)
     for x in (X, 1.5):  # a Python float is not an array: evaluated, weakly typed
         assert_tree_allclose(stx.pull(g)(x), ref(jnp.asarray(x)))
+
+
+def test_a_pull_that_has_run_compiled_takes_any_call_as_its_function_would():
+    # A pull that has run compiled sends each eager call straight to its compiled evaluation,
+    # checking nothing `jax.jit` does not: what jit refuses, or the evaluation will not trace
+    # (anything but arrays), takes the path of any other call; the function's own errors are
+    # raised once, as they are.
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames="mode")
+    def f(x, mode="double"):
+        traces.append(x.shape)
+        if x.ndim > 1:
+            raise ValueError("f takes vectors")
+        y = stx.save_inter(2 * x if mode == "double" else x, name="y")
+        return y + 1
+
+    def by_hand(x, mode="double"):
+        y = 2 * x if mode == "double" else x
+        return y + 1, {"y_0": y}
+
+    pulled = stx.pull(f)
+    for _ in range(3):
+        assert_tree_allclose(pulled(X), by_hand(X))
+    assert "_compiled" in pulled.__dict__
+    assert_tree_allclose(pulled(X, mode="same"), by_hand(X, "same"))  # a string: refused by jit
+    for v in (1.5, 2, np.float32(0.5), np.arange(3.0)):  # numbers, and a NumPy array
+        out, inters = pulled(v)
+        assert_tree_allclose((out, inters), by_hand(jnp.asarray(v)))
+        assert out.weak_type == jnp.asarray(v).weak_type
+    traces.clear()
+    with pytest.raises(ValueError, match="f takes vectors"):
+        pulled(jnp.ones((2, 3)))
+    assert traces == [(2, 3)]  # traced once: not again on another path
+    assert_tree_allclose(pulled(X), by_hand(X))
 
 
 def test_compiled_evaluation_does_not_keep_dead_functions_alive():
