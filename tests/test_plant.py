@@ -159,6 +159,47 @@ def test_vmap_both_orders():
     assert_tree_allclose(outer(HS, XS), by_hand(W, XS, HS))
 
 
+def vmap_in_scan(xs, reduce=None):
+    # A vmap inside a scan's body: its marks leave the scan stacked, loop axis first.
+    def body(c, _):
+        c = jax.vmap(lambda ci: stx.save_inter(jnp.sin(ci) + 1.0, name="v", reduce=reduce))(c)
+        return c, None
+
+    return jnp.sum(lax.scan(body, xs, None, length=3)[0])
+
+
+def vmap_in_scan_by_hand(xs, vs=None):
+    """`vmap_in_scan`, returning the marked values `(3, B, 4)`, or taking them (`vs`)."""
+
+    def body(c, v):
+        c = jnp.sin(c) + 1.0 if v is None else v
+        return c, c
+
+    c, ys = lax.scan(body, xs, vs, length=3)
+    return jnp.sum(c), ys
+
+
+def test_marks_of_a_vmap_in_a_scan_are_planted_loop_axis_first():
+    # Three iterations of a batch of three: a value of one iteration's shape per example
+    # (3, 4) could be read two ways, so only the whole stack is taken, as pull returns it.
+    xs = jnp.arange(12.0).reshape(3, 4) / 12.0
+    out, ys = vmap_in_scan_by_hand(xs)
+    assert_tree_allclose(stx.pull(vmap_in_scan)(xs), (out, {"v_0": ys}))
+    vs = jnp.arange(36.0).reshape(3, 3, 4)
+    assert_tree_allclose(stx.plant(vmap_in_scan)({"v_0": vs}, xs), vmap_in_scan_by_hand(xs, vs)[0])
+    with pytest.raises(stx.PlantError, match=r"expected \(float32\[3, 3, 4\]\)\.$"):
+        stx.plant(vmap_in_scan)({"v_0": vs[0]}, xs)
+    rewritten = stx.extend.pull_jaxpr(jax.make_jaxpr(vmap_in_scan)(xs))
+    assert [m.batch_ndim for m in rewritten.outs] == [0]  # its leading axis is the loop's
+    # Reduced, the batch axis comes first, then the occurrences (as for any batched mark).
+    (stack,) = stx.pull(lambda x: vmap_in_scan(x, "stack"))(xs)[1].values()
+    assert_tree_allclose(stack, jnp.swapaxes(ys, 0, 1))
+    # Under a vmap outside, a value per example is broadcast over that batch.
+    xss = jnp.stack([xs, 2 * xs])
+    outer = stx.plant(jax.vmap(vmap_in_scan))({"v_0": vs}, xss)
+    assert_tree_allclose(outer, jax.vmap(lambda x: vmap_in_scan_by_hand(x, vs)[0])(xss))
+
+
 def test_grad_both_orders_flows_through_the_replacement():
     def f(x):
         h = stx.save_inter(jnp.sin(x), name="h")

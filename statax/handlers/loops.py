@@ -27,10 +27,13 @@ iteration).
 
 Under `vmap`, both leave the loop before JAX batches it and are marked again outside: a scan's
 intermediates come back with the batch axis first, then the scan axis; a while loop's with each
-example's own last iteration.
+example's own last iteration. A `vmap` inside a scan's body is another matter: its values leave
+the scan stacked, loop axis first, and their batch axes are no longer leading (`_stacked`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -64,12 +67,13 @@ def _scan_exposer(*args, **eqn_params):
         return outs
     # Planted values: one per iteration, as extra xs.
     planted = take(
-        ins, [a.update(shape=(parts.length, *a.shape)) for a in body.in_avals[len(args) :]]
+        _stacked(ins),
+        [a.update(shape=(parts.length, *a.shape)) for a in body.in_avals[len(args) :]],
     )
     if not any(reductions.running(m) for m in metas):
         new_params = params.scan_params(eqn_params, parts._replace(jaxpr=body))
         flat = scan_p.bind(*args, *planted, **new_params)
-        mark(_unstack_reduced(metas, split_leaves(flat[num_out:], metas)), metas)
+        mark(_unstack_reduced(metas, split_leaves(flat[num_out:], metas)), _stacked(metas))
         return flat[:num_out]
 
     # Reduced intermediates are running values in the carry; the others are stacked.
@@ -96,7 +100,7 @@ def _scan_exposer(*args, **eqn_params):
                 stacked.append(part)
         return (flat[:num_carry], new_accs), (flat[num_carry:num_out], stacked)
 
-    (carry, accs), (ys, stacked) = jax.lax.scan(
+    (carry, accs), (ys, rows) = jax.lax.scan(
         step,
         (list(init), acc0),
         [*xs, *planted],
@@ -105,13 +109,22 @@ def _scan_exposer(*args, **eqn_params):
         unroll=parts.unroll,
     )
     accs = iter(accs)
-    stacked = iter(
-        _unstack_reduced([m for m in metas if not reductions.running(m)], stacked, flat=False)
-    )
+    rows = iter(_unstack_reduced([m for m in metas if not reductions.running(m)], rows, flat=False))
     mark(
-        [x for m in metas for x in (next(accs) if reductions.running(m) else next(stacked))], metas
+        [x for m in metas for x in (next(accs) if reductions.running(m) else next(rows))],
+        _stacked(metas),
     )
     return [*carry, *ys]
+
+
+def _stacked(metas):
+    """The metas of a scan body's intermediates (or planted values) as they leave it stacked
+    along the scan's leading axis, ahead of the axes a `vmap` inside the body gave them: those
+    axes are no longer leading (`batch_ndim` 0). Reduced names keep their own layout."""
+    return tuple(
+        dataclasses.replace(m, batch_ndim=0) if m.batch_ndim and m.reduce is None else m
+        for m in metas
+    )
 
 
 def _bounded_loop_scan(args, parts, body, metas, ins):
@@ -188,7 +201,7 @@ def _scan_handler(eqn):
     ):
         return _scan_traced(eqn)
     new = params.scan_params(eqn.params, parts._replace(jaxpr=body.jaxpr))
-    return restage_equation(eqn, body.outs, **new)
+    return restage_equation(eqn, _stacked(body.outs), **new)
 
 
 register_handler(scan_p, _scan_handler)
