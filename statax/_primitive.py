@@ -110,9 +110,10 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         >>> stx.pull(f)(jnp.float32(1.0))
         (Array(3., dtype=float32), {'y_0': Array(2., dtype=float32)})
     """
-    if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
-        # The common case, as cheap as it can be (every call counts, in a trace): one array,
-        # staged into a jaxpr, no pull, at a call site seen before.
+    if type(value) is _compat.STAGED_TRACER:
+        # The common cases, as cheap as they can be (every call counts, in a trace): one array,
+        # staged into a jaxpr, at a call site seen before; no pull, or a pull at this level
+        # that takes every mark as it is.
         frame = sys._getframe(1)
         try:
             params = _SITES.get(
@@ -120,8 +121,15 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             )
         except TypeError:  # an unhashable name or mode: said below
             params = None
-        if params is not None and _compat.observe_staged(save_inter_p, value, params):
-            return value
+        if params is not None:
+            if not _compat.PULLING.value:
+                if _compat.observe_staged(save_inter_p, value, params):
+                    return value
+            elif _compat.PLANTING.value is None and _compat.SELECTION.value is None:
+                collector = _COLLECTOR.get()
+                if _claims(collector):
+                    collector.add(params["meta"], [value])
+                    return value
     given_name = name
     if name is None:
         name = "state"
@@ -136,23 +144,24 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     scope = _compat.SCOPE.value
-    if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
+    if isinstance(value, jax.Array):  # one array, without flattening
         frame = sys._getframe(1)
         code = frame.f_code
         inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
-        site = _caller() if inside else (code, frame.f_lineno)
-        params = _array_params(scope + name, site, reduce)
-        if _compat.observe_staged(save_inter_p, value, params):
-            if not inside:
-                _remember(code, frame.f_lasti, given_name, reduce, scope, params)
-            return value
-    name = scope + name
-    if isinstance(value, jax.Array):  # one array, without flattening
+        params = _array_params(
+            scope + name, _caller() if inside else (code, frame.f_lineno), reduce
+        )
+        if not inside:  # for the fast path above, next time
+            _remember(code, frame.f_lasti, given_name, reduce, scope, params)
+        if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
+            if _compat.observe_staged(save_inter_p, value, params):
+                return value
         arrays = [value]
-        meta = _array_params(name, _caller(), reduce)["meta"]
+        meta = params["meta"]
     else:
         treedef, static, arrays = split(value)
-        meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
+        meta = StateMeta(scope + name, treedef, static, _caller_location(), reduce=reduce)
+    name = scope + name
     if not _compat.PULLING.value:
         outs = _stage(arrays, meta, IDLE)
         return value if outs is arrays else meta.unflatten(outs)

@@ -243,3 +243,21 @@ def test_a_mark_on_a_value_nobody_keeps_leaves_a_well_formed_jaxpr():
     names = {f"{m.name}_0": v for m, v in zip(rewritten.outs, inters, strict=True)}
     assert_tree_allclose((out, names), by_hand(0.5))
     assert_tree_allclose(stx.pull(f)(0.5), by_hand(0.5))
+
+
+def test_a_pull_at_a_call_site_seen_before_still_selects_and_plants():
+    # The marks a pull takes as they are made look up what their call site made before too;
+    # a selection (`only=`) or a planting in force takes the full path.
+    def by_hand(x, l1=None):
+        l0 = jnp.sin(x)
+        l1 = jnp.sin(l0) if l1 is None else l1
+        return l1, {"l0_0": l0, "l1_0": l1}
+
+    x, v = jnp.float32(0.5), jnp.float32(2.0)
+    for _ in range(2):
+        assert_tree_allclose(stx.pull(marks_at_one_site)(x), by_hand(x))
+        out, inters = stx.pull(marks_at_one_site, only="l1")(x)
+        assert_tree_allclose((out, inters), (by_hand(x)[0], {"l1_0": by_hand(x)[1]["l1_0"]}))
+        assert_tree_allclose(stx.plant(marks_at_one_site)({"l1_0": v}, x), by_hand(x, v)[0])
+        planted = stx.pull(lambda x: stx.plant(marks_at_one_site)({"l0_0": v}, x))(x)
+        assert_tree_allclose(planted, (jnp.sin(v), {"l0_0": v, "l1_0": jnp.sin(v)}))
