@@ -25,19 +25,15 @@ from jax import lax
 
 import statax as stx
 from statax import _compat
-from statax._meta import ARRAY
-from statax._primitive import IDLE
+from statax._primitive import _array_params
 
 
 def mlp_params(width, key=0):
     return init(jax.random.key(key), width)
 
 
-# An unpulled mark's params, made once (statax makes them once per call site and name).
-_BARE_PARAMS = {
-    "meta": stx.extend.StateMeta("layer", jax.tree_util.tree_structure(0), (ARRAY,)),
-    "status": IDLE,
-}
+# An unpulled mark's params, made once, as statax makes them once per call site and name.
+_BARE_PARAMS = _array_params("layer", (None, 0), None)
 
 
 def bare_marks(params, x):

@@ -144,24 +144,19 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     scope = _compat.SCOPE.value
+    name = scope + name
     if isinstance(value, jax.Array):  # one array, without flattening
         frame = sys._getframe(1)
         code = frame.f_code
         inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
-        params = _array_params(
-            scope + name, _caller() if inside else (code, frame.f_lineno), reduce
-        )
+        params = _array_params(name, _caller() if inside else (code, frame.f_lineno), reduce)
         if not inside:  # for the fast path above, next time
             _remember(code, frame.f_lasti, given_name, reduce, scope, params)
-        if type(value) is _compat.STAGED_TRACER and not _compat.PULLING.value:
-            if _compat.observe_staged(save_inter_p, value, params):
-                return value
         arrays = [value]
         meta = params["meta"]
     else:
         treedef, static, arrays = split(value)
-        meta = StateMeta(scope + name, treedef, static, _caller_location(), reduce=reduce)
-    name = scope + name
+        meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     if not _compat.PULLING.value:
         outs = _stage(arrays, meta, IDLE)
         return value if outs is arrays else meta.unflatten(outs)
@@ -214,7 +209,8 @@ _SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 @functools.lru_cache(maxsize=4096)
 def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
     """The params of an idle mark on one array at `site` (`_caller()`), made once per site and
-    name (equations share them: JAX never edits an equation's params in place)."""
+    name (equations share them: JAX never edits an equation's params in place); a collected
+    mark there takes their meta."""
     meta = StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
     return {"meta": meta, "status": IDLE}
 
