@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
@@ -343,14 +344,29 @@ def debug_info(name: str, source: Callable | None = None) -> Any:
     return lu.DebugInfo(name, where, None, None)
 
 
+class _TraceContext:
+    """The trace in force as `value` (JAX 0.8 -- 0.9, where `core.trace_ctx` holds it)."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        return core.trace_ctx.trace
+
+
+# The trace that a `bind` now goes to, as `_TRACE.value`: the state that `core.trace_ctx.trace`
+# reads (JAX 0.10 -- 0.12), read without the property, since a mark reads it every time.
+_TRACE = getattr(core, "trace_state_strong_ref", None) or _TraceContext()
+
+
 def current_trace() -> Any:
     """The trace that a `bind` now goes to (`jax._src.core.trace_ctx.trace` in JAX 0.8 -- 0.12)."""
-    return core.trace_ctx.trace
+    return _TRACE.value
 
 
 def eager() -> bool:
     """Whether a `bind` now runs at once (no trace in force: `EvalTrace`, JAX 0.8 -- 0.12)."""
-    return type(core.trace_ctx.trace) is core.EvalTrace
+    return type(_TRACE.value) is core.EvalTrace
 
 
 NO_EFFECTS = core.no_effects
@@ -389,7 +405,7 @@ def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
 
 def _tracing_all(args: Sequence[Any]) -> Any:
     """The jaxpr trace in force, if every one of `args` is a tracer of it; else `None`."""
-    trace = core.trace_ctx.trace
+    trace = _TRACE.value
     if type(trace) is not pe.DynamicJaxprTrace:
         return None
     for x in args:
@@ -406,26 +422,33 @@ def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
     """`observe` of one value, a `STAGED_TRACER`: all in one function, since every call counts
     where a mark is made."""
     trace = x._trace
-    if trace is not core.trace_ctx.trace or type(trace) is not pe.DynamicJaxprTrace:
+    if trace is not _TRACE.value or type(trace) is not _JAXPR_TRACE:
         return False
-    parent = getattr(x, "parent", None)  # the equation that made `x`
+    parent = x.parent  # the equation that made `x`
     frame = trace.frame
-    if parent is None or frame.auto_dce or not _FRAME_HOLDS_TRACING_EQNS:
+    if parent is None or frame.auto_dce or not _EQNS_ON_VARS:
         _stage_observer(trace, prim, [x], params)
-    else:
-        # Made by an equation the frame holds for good (no auto-DCE), `x`'s variable stays
-        # defined without `x`: the frame takes a `JaxprEqn` on it (as JAX's own `lower_jaxpr`
-        # stages one, 0.10 -- 0.12), which costs half a `TracingEqn` and its conversion when
-        # the jaxpr is made.
-        source_info = source_info_util._source_info_context.context
-        outvars = [core.DropVar(x.aval)]
-        e = core.JaxprEqn([x.val], outvars, prim, params, NO_EFFECTS, source_info, parent.ctx)
-        frame.tracing_eqns.append(e)
+        return True
+    # Made by an equation the frame holds for good (no auto-DCE), `x`'s variable stays defined
+    # without `x`: the frame takes a `JaxprEqn` on it (as JAX's own `lower_jaxpr` stages one,
+    # 0.10 -- 0.12), which costs half a `TracingEqn` and its conversion when the jaxpr is made.
+    # Its source info and context are those of the equation that made `x` (looking up the
+    # current ones costs as much again), and its output is `_dropped`, made here.
+    var = _new(_DropVar)
+    var.aval = x.aval
+    if _QDD_FIELDS:
+        var.initial_qdd = var.final_qdd = None
+    frame.tracing_eqns.append(
+        _JaxprEqn([x.val], [var], prim, params, NO_EFFECTS, parent.source_info, parent.ctx)
+    )
     return True
 
 
+_JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, core.JaxprEqn
+
+
 def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -> None:
-    outvars = [core.DropVar(x.aval) for x in args]
+    outvars = [_dropped(x.aval) for x in args]
     source_info = source_info_util._source_info_context.context
     # The context of the equation that made the first input (JAX 0.10 -- 0.12 keep it as the
     # tracer's `parent`), rather than the current one, which costs as much as the rest to look
@@ -434,6 +457,36 @@ def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -
     ctx = _eqn_context() if parent is None else parent.ctx
     e = pe.TracingEqn(args, outvars, prim, params, NO_EFFECTS, source_info, ctx)
     trace.frame.tracing_eqns.append(_hold(e))
+
+
+def _drop_var_fields() -> tuple[str, ...] | None:
+    """The fields of a `core.DropVar` past `aval`, where its constructor only sets them to `None`
+    (JAX 0.10 -- 0.11: `initial_qdd` and `final_qdd`; 0.12: none); `None` where it does more, or
+    differently (0.8 -- 0.9 also number each variable)."""
+    fields = tuple(getattr(core.Var, "__slots__", ()))
+    probe = core.DropVar(core.ShapedArray((), np.dtype("float32")))
+    known = fields in (("aval",), ("aval", "initial_qdd", "final_qdd"))
+    if not known or vars(probe) or any(getattr(probe, f) is not None for f in fields[1:]):
+        return None
+    return fields[1:]
+
+
+_DROP_VAR_FIELDS = _drop_var_fields()
+_QDD_FIELDS = _DROP_VAR_FIELDS == ("initial_qdd", "final_qdd")
+_new, _DropVar = object.__new__, core.DropVar
+
+
+def _dropped(aval: Any) -> Any:
+    """`core.DropVar(aval)`, without its constructor's chain (`super().__init__`, and a check of
+    the aval's type that costs as much as the rest of a mark), where `_DROP_VAR_FIELDS` says
+    what it sets; `observe_staged` makes one the same way."""
+    if _DROP_VAR_FIELDS is None:
+        return core.DropVar(aval)
+    var = _new(_DropVar)
+    var.aval = aval
+    if _QDD_FIELDS:
+        var.initial_qdd = var.final_qdd = None
+    return var
 
 
 if hasattr(core, "current_jaxpr_eqn_context"):  # JAX 0.10 -- 0.12 (cached)
@@ -464,7 +517,7 @@ def trace_length(trace: Any) -> int:
 def staging_trace() -> Any:
     """The trace in force if it stages a jaxpr whose equations `staged` and `restage` may read
     and edit (a `DynamicJaxprTrace` keeping every equation: no auto-DCE), else `None`."""
-    trace = core.trace_ctx.trace
+    trace = _TRACE.value
     if type(trace) is pe.DynamicJaxprTrace and not trace.frame.auto_dce:
         return trace
     return None
@@ -521,6 +574,9 @@ def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[
 
 # JAX 0.10 -- 0.12: a frame holds a `TracingEqn` itself; 0.8 -- 0.9 behind a callable.
 _FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__.co_names
+# Whether `observe_staged` may stage a `JaxprEqn` on a variable, with a `_dropped` output made
+# in place (JAX 0.10 -- 0.12).
+_EQNS_ON_VARS = _FRAME_HOLDS_TRACING_EQNS and _DROP_VAR_FIELDS is not None
 
 
 def _same(x):

@@ -110,20 +110,18 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         >>> stx.pull(f)(jnp.float32(1.0))
         (Array(3., dtype=float32), {'y_0': Array(2., dtype=float32)})
     """
-    if type(value) is _compat.STAGED_TRACER:
+    if type(value) is _STAGED_TRACER:
         # The common cases, as cheap as they can be (every call counts, in a trace): one array,
         # staged into a jaxpr, at a call site seen before; no pull, or a pull at this level
-        # that takes every mark as it is.
-        frame = sys._getframe(1)
+        # that takes every mark as it is. (Names bound here, not looked up in `_compat`.)
+        frame = _getframe(1)
         try:
-            params = _SITES.get(
-                (id(frame.f_code), frame.f_lasti, name, reduce, _compat.SCOPE.value)
-            )
+            params = _SITES.get((id(frame.f_code), frame.f_lasti, name, reduce, _SCOPE.value))
         except TypeError:  # an unhashable name or mode: said below
             params = None
         if params is not None:
-            if not _compat.PULLING.value:
-                if _compat.observe_staged(save_inter_p, value, params):
+            if not _PULLING.value:
+                if _observe_staged(save_inter_p, value, params):
                     return value
             elif _compat.PLANTING.value is None and _compat.SELECTION.value is None:
                 collector = _COLLECTOR.get()
@@ -228,6 +226,10 @@ def _remember(code, instruction: int, name, reduce, scope: str, params: dict) ->
     _SITE_CODES[id(code)] = code
     _SITES[(id(code), instruction, name, reduce, scope)] = params
 
+
+_getframe = sys._getframe
+_STAGED_TRACER, _SCOPE, _PULLING = _compat.STAGED_TRACER, _compat.SCOPE, _compat.PULLING
+_observe_staged = _compat.observe_staged
 
 _LEAF = jax.tree_util.tree_structure(0)
 _ONE_ARRAY = (ARRAY,)

@@ -104,6 +104,29 @@ def test_an_unpulled_mark_is_one_equation_that_only_reads():
     assert str(unmarked) == str(jax.make_jaxpr(by_hand)(1.0).jaxpr)
 
 
+def test_an_unpulled_mark_drops_its_output_as_jax_does():
+    # The dropped output an unpulled mark stages is made without `DropVar`'s constructor (see
+    # `_compat._dropped`): it is the same object as one made with it, and JAX's own checks of
+    # the jaxpr (`jax_enable_checks`) pass.
+    def f(x):
+        y = stx.save_inter(jnp.sin(x), name="y")
+        stx.save_inter(x, name="x")  # a tracer made by no equation: the general path
+        return jnp.cos(y)
+
+    with jax.enable_checks(True):
+        jaxpr = jax.make_jaxpr(f)(1.0).jaxpr
+    marks = [e for e in jaxpr.eqns if e.primitive is stx.extend.save_inter_p]
+    assert len(marks) == 2
+    for eqn in marks:
+        (var,) = eqn.outvars
+        made = type(var)(var.aval)
+        assert type(var).__name__ == "DropVar" and var.aval is eqn.invars[0].aval
+        slots = [s for c in type(var).__mro__ for s in getattr(c, "__slots__", ()) if s != "count"]
+        # (JAX 0.8 -- 0.9 number each variable, `count`, which the two then differ in.)
+        assert {s: getattr(var, s) for s in slots} == {s: getattr(made, s) for s in slots}
+        assert vars(var) == vars(made)
+
+
 def dead_in_scan(x):
     def body(c, _):
         stx.save_inter(jnp.sin(c), name="dead")  # read by nothing
