@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.extend import core as jex
 
 # Private modules, present in every supported version (0.8.0 -- 0.10.x).
@@ -234,9 +233,10 @@ from jax._src.shard_map import shard_map_p as SHARD_MAP_PRIMITIVE  # noqa: E402
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED_SHARDING  # noqa: E402
 
 
-def register_lowering_identity(prim: jex.Primitive) -> None:
-    """Lower `prim` to no op at all: its outputs are its operands."""
-    mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs))
+def register_lowering_identity(prim: jex.Primitive, defines: Callable[[dict], bool]) -> None:
+    """Lower `prim` to no op at all: its outputs are its operands where `defines(params)`, and
+    it has none elsewhere (an equation that only reads)."""
+    mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs) if defines(params) else [])
 
 
 def register_lowering(prim: jex.Primitive, rule: Callable) -> None:
@@ -306,15 +306,22 @@ def register_dce_rule(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None
 def register_partial_eval_keeping(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
     """In partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work,
     `linearize` of a primitive without a rule of its own), stage an equation of `prim` with
-    unknown inputs as any other, and keep it where `keep(params)` even if nothing reads its
-    outputs, as an effectful one is kept (`JaxprTrace.effect_handles`, JAX 0.8 -- 0.12)."""
+    unknown inputs as any other, and where `keep(params)` (an equation without outputs, which
+    only reads) keep it, as an effectful one is kept (`JaxprTrace.effect_handles`; as
+    `JaxprTrace.default_process_primitive` stages one, JAX 0.8 -- 0.12)."""
 
     def rule(trace, *tracers, **params):
-        outs = trace.default_process_primitive(prim, tracers, params)
-        recipe = getattr(outs[0], "recipe", None) if outs else None
-        if isinstance(recipe, pe.JaxprEqnRecipe) and keep(params):
-            trace.effect_handles.append(pe.EffectHandle(list(recipe.in_tracers), recipe))
-        return outs
+        if not keep(params):
+            return trace.default_process_primitive(prim, tracers, params)
+        tracers = [trace.to_jaxpr_tracer(t) for t in tracers]
+        if all(t.pval.is_known() for t in tracers):
+            return trace.default_process_primitive(prim, tracers, params)
+        tracers = [trace.instantiate_const(t) for t in tracers]
+        name_stack = trace._current_truncated_name_stack()
+        source = source_info_util.current().replace(name_stack=name_stack)
+        recipe = pe.new_eqn_recipe(trace, tracers, [], prim, params, NO_EFFECTS, source)
+        trace.effect_handles.append(pe.EffectHandle(tracers, recipe))
+        return []
 
     pe.custom_partial_eval_rules[prim] = rule
 
@@ -389,10 +396,11 @@ def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> li
 
 
 def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
-    """Stage an equation of `prim` that reads `args` and defines nothing (its outputs are
-    dropped, `_`), into the jaxpr trace in force, when every one of `args` is a tracer of it;
-    `False` elsewhere (then bind). The program reads on from `args` themselves, so the
-    equation costs no new variable or tracer; the frame holds it whatever its auto-DCE (as
+    """Stage an equation of `prim` that reads `args` and defines nothing (it has no outputs:
+    `prim`'s rules give none for `params`), into the jaxpr trace in force, when every one of
+    `args` is a tracer of it; `False` elsewhere (then bind). The program reads on from `args`
+    themselves, so the equation costs no variable or tracer; the frame holds it whatever its
+    auto-DCE (as
     `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and `prim`'s DCE
     and partial evaluation rules keep it (`register_dce_rule`,
     `register_partial_eval_keeping`)."""
@@ -426,20 +434,16 @@ def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
         return False
     parent = x.parent  # the equation that made `x`
     frame = trace.frame
-    if parent is None or frame.auto_dce or not _EQNS_ON_VARS:
+    if parent is None or frame.auto_dce or not _FRAME_HOLDS_TRACING_EQNS:
         _stage_observer(trace, prim, [x], params)
         return True
     # Made by an equation the frame holds for good (no auto-DCE), `x`'s variable stays defined
     # without `x`: the frame takes a `JaxprEqn` on it (as JAX's own `lower_jaxpr` stages one,
     # 0.10 -- 0.12), which costs half a `TracingEqn` and its conversion when the jaxpr is made.
     # Its source info and context are those of the equation that made `x` (looking up the
-    # current ones costs as much again), and its output is `_dropped`, made here.
-    var = _new(_DropVar)
-    var.aval = x.aval
-    if _QDD_FIELDS:
-        var.initial_qdd = var.final_qdd = None
+    # current ones costs as much again).
     frame.tracing_eqns.append(
-        _JaxprEqn([x.val], [var], prim, params, NO_EFFECTS, parent.source_info, parent.ctx)
+        _JaxprEqn([x.val], [], prim, params, NO_EFFECTS, parent.source_info, parent.ctx)
     )
     return True
 
@@ -448,45 +452,14 @@ _JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, core.JaxprEqn
 
 
 def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -> None:
-    outvars = [_dropped(x.aval) for x in args]
     source_info = source_info_util._source_info_context.context
     # The context of the equation that made the first input (JAX 0.10 -- 0.12 keep it as the
     # tracer's `parent`), rather than the current one, which costs as much as the rest to look
     # up: the equation lowers to nothing, and a `pull` takes it out.
     parent = getattr(args[0], "parent", None) if args else None
     ctx = _eqn_context() if parent is None else parent.ctx
-    e = pe.TracingEqn(args, outvars, prim, params, NO_EFFECTS, source_info, ctx)
+    e = pe.TracingEqn(args, [], prim, params, NO_EFFECTS, source_info, ctx)
     trace.frame.tracing_eqns.append(_hold(e))
-
-
-def _drop_var_fields() -> tuple[str, ...] | None:
-    """The fields of a `core.DropVar` past `aval`, where its constructor only sets them to `None`
-    (JAX 0.10 -- 0.11: `initial_qdd` and `final_qdd`; 0.12: none); `None` where it does more, or
-    differently (0.8 -- 0.9 also number each variable)."""
-    fields = tuple(getattr(core.Var, "__slots__", ()))
-    probe = core.DropVar(core.ShapedArray((), np.dtype("float32")))
-    known = fields in (("aval",), ("aval", "initial_qdd", "final_qdd"))
-    if not known or vars(probe) or any(getattr(probe, f) is not None for f in fields[1:]):
-        return None
-    return fields[1:]
-
-
-_DROP_VAR_FIELDS = _drop_var_fields()
-_QDD_FIELDS = _DROP_VAR_FIELDS == ("initial_qdd", "final_qdd")
-_new, _DropVar = object.__new__, core.DropVar
-
-
-def _dropped(aval: Any) -> Any:
-    """`core.DropVar(aval)`, without its constructor's chain (`super().__init__`, and a check of
-    the aval's type that costs as much as the rest of a mark), where `_DROP_VAR_FIELDS` says
-    what it sets; `observe_staged` makes one the same way."""
-    if _DROP_VAR_FIELDS is None:
-        return core.DropVar(aval)
-    var = _new(_DropVar)
-    var.aval = aval
-    if _QDD_FIELDS:
-        var.initial_qdd = var.final_qdd = None
-    return var
 
 
 if hasattr(core, "current_jaxpr_eqn_context"):  # JAX 0.10 -- 0.12 (cached)
@@ -503,7 +476,8 @@ else:  # JAX 0.8 -- 0.9: as `DynamicJaxprTrace.make_eqn` makes it
 
 
 def defines_nothing(eqn: jex.JaxprEqn) -> bool:
-    """Whether every output of `eqn` is dropped (`_`), as `observe` stages them."""
+    """Whether `eqn` defines nothing: it has no outputs (as `observe` stages it), or only
+    dropped ones (`_`)."""
     return all(type(v) is core.DropVar for v in eqn.outvars)
 
 
@@ -574,9 +548,6 @@ def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[
 
 # JAX 0.10 -- 0.12: a frame holds a `TracingEqn` itself; 0.8 -- 0.9 behind a callable.
 _FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__.co_names
-# Whether `observe_staged` may stage a `JaxprEqn` on a variable, with a `_dropped` output made
-# in place (JAX 0.10 -- 0.12).
-_EQNS_ON_VARS = _FRAME_HOLDS_TRACING_EQNS and _DROP_VAR_FIELDS is not None
 
 
 def _same(x):

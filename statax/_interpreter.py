@@ -525,7 +525,8 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             elif collected(eqn.params) and _selected(meta):
                 extra_out.extend(values)
                 outs.append(meta)
-            forwarded.update(zip(eqn.outvars, values, strict=True))
+            if eqn.outvars:  # (an idle mark has none)
+                forwarded.update(zip(eqn.outvars, values, strict=True))
             continue
         if not inner:
             eqns.append(eqn)
@@ -758,6 +759,8 @@ def _inert(jaxpr, which):
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
             if which is None or which(eqn.params["meta"]):
+                if not eqn.outvars:  # an idle mark, which only reads: inert, it does nothing
+                    continue
                 eqn = eqn.replace(params=dict(eqn.params, status=INERT))
         elif _eqn_saves(eqn):
             eqn = eqn.replace(params=map_jaxprs(eqn.params, lambda j: inert(j, which)))

@@ -7,10 +7,10 @@ that is saved). Three things keep a mark alive where JAX would otherwise lose or
 
 * while a `pull` traces it (`status="collecting"`) it carries `SaveEffect`, so that no dead-code
   elimination drops it, and `pull(grad(jit(f)))` still collects a value nobody reads;
-* outside a `pull` (`status="idle"`) it has no effect. Staged into a jaxpr, it is an equation
-  that reads the value and defines nothing (its outputs are `_`; the program reads on from the
-  value itself), which is the least a mark can cost in a trace, lowers to nothing, and stays in
-  the jaxpr through dead-code elimination and partial evaluation, so that a later `pull` of the
+* outside a `pull` (`status="idle"`) it has no effect and no outputs: staged into a jaxpr, it
+  is an equation that reads the value and defines nothing (the program reads on from the value
+  itself), which is the least a mark can cost in a trace, lowers to nothing, and stays in the
+  jaxpr through dead-code elimination and partial evaluation, so that a later `pull` of the
   jaxpr (equinox's `noinline`, a jaxpr built ahead of time) collects it;
 * `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
   rematerialisation replays in the backward pass into an inert one (`status="inert"`), so that
@@ -189,13 +189,13 @@ def _bind(arrays: list, meta: StateMeta, status: str) -> list:
 
 def _stage(arrays: list, meta: StateMeta, status: str) -> list:
     """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`). An idle mark
-    staged into a jaxpr defines nothing: it only reads `arrays`, which it returns (see
-    `_compat.observe`), so that a mark costs one equation and no other work."""
+    defines nothing: it only reads `arrays`, which it returns (see `_compat.observe`), so that a
+    mark costs one equation and no other work."""
     params = {"meta": meta, "status": status}
     if status == IDLE:
-        if _compat.observe(save_inter_p, arrays, params):
-            return arrays
-        return save_inter_p.bind(*arrays, **params)
+        if not _compat.observe(save_inter_p, arrays, params):
+            save_inter_p.bind(*arrays, **params)
+        return arrays
     effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
     outs = _compat.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
@@ -283,6 +283,16 @@ def batch_first(axis_size: int, vals, dims) -> list:
     ]
 
 
+def _defines(params: dict) -> bool:
+    """Whether a mark has outputs (its operands): all but an idle one, which only reads."""
+    return params["status"] != IDLE
+
+
+def _outputs(values: list, status: str) -> list:
+    """What a rule returns for a mark's outputs, `values`: none for an idle one."""
+    return [] if status == IDLE else values
+
+
 def collected(params: dict) -> bool:
     """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
     return params["status"] in (COLLECTING, IDLE)
@@ -293,20 +303,21 @@ def collected(params: dict) -> bool:
 
 @save_inter_p.def_impl
 def _impl(*xs, meta, status):
-    return xs
+    return _outputs(list(xs), status)
 
 
 @save_inter_p.def_effectful_abstract_eval
 def _abstract_eval(*avals, meta, status):  # (as `_stage` stages it)
-    return avals, (_SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS)
+    effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
+    return _outputs(list(avals), status), effects
 
 
-_compat.register_lowering_identity(save_inter_p)
+_compat.register_lowering_identity(save_inter_p, _defines)
 
 
 def _jvp(primals, tangents, *, meta, status):
     # Save the primal only; the tangents pass through untouched.
-    return _bind(list(primals), meta, status), list(tangents)
+    return _outputs(_bind(list(primals), meta, status), status), _outputs(list(tangents), status)
 
 
 _compat.register_jvp_rule(save_inter_p, _jvp)
@@ -314,7 +325,12 @@ _compat.register_jvp_rule(save_inter_p, _jvp)
 
 def _linearize(nonzeros, *primals, meta, status):
     # As the JVP, without JAX's generic linearization (a trace of the JVP per mark).
-    return _bind(list(primals), meta, status), list(nonzeros), lambda *tangents: list(tangents)
+    outs = _outputs(_bind(list(primals), meta, status), status)
+    return (
+        outs,
+        _outputs(list(nonzeros), status),
+        lambda *tangents: _outputs(list(tangents), status),
+    )
 
 
 _compat.register_linearization_rule(save_inter_p, _linearize)
@@ -322,8 +338,9 @@ _compat.register_linearization_rule(save_inter_p, _linearize)
 
 def _transpose(cts, *args, **params):
     # Only reached when a tangent itself is marked (e.g. in a custom JVP rule): it is linear
-    # and the identity, so cotangents pass through. Nothing is saved for them.
-    return list(cts)
+    # and the identity, so cotangents pass through. Nothing is saved for them. An idle mark
+    # has no outputs: its operands get no cotangent from it.
+    return list(cts) if _defines(params) else [None] * len(args)
 
 
 _compat.register_transpose_rule(save_inter_p, _transpose)
@@ -339,10 +356,12 @@ def _batch(axis_size, vals, dims, **params):
     fed = status == INPUT
     if not fed and all(d is None for d in dims):
         _bind(list(vals), meta, status)
-        return vals, dims
+        return _outputs(vals, status), _outputs(dims, status)
     moved = batch_first(axis_size, vals, dims)
     outs = _bind(moved, dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1), status)
-    return (outs, [0] * len(outs)) if fed else (vals, dims)
+    if fed:
+        return outs, [0] * len(outs)
+    return _outputs(vals, status), _outputs(dims, status)
 
 
 _compat.register_batching_rule(save_inter_p, _batch)
@@ -375,8 +394,8 @@ _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
 
 
 def _idle(params: dict) -> bool:
-    # An idle mark defines nothing that is read (see `_stage`), and a later `pull` of the jaxpr
-    # collects it: dead-code elimination and partial evaluation keep it all the same.
+    # An idle mark defines nothing (see `_stage`), and a later `pull` of the jaxpr collects it:
+    # dead-code elimination and partial evaluation keep it all the same.
     return params["status"] == IDLE
 
 

@@ -74,8 +74,12 @@ def test_batching_hands_values_on_with_their_batch_axes():
 
 
 def test_impl_runs_eagerly():
+    # An idle mark (as staged outside a pull) only reads; any other hands its operand on.
     x = jnp.arange(3)
-    (y,) = stx.extend.save_inter_p.bind(x, **_params())
+    params = _params()
+    assert params["status"] == "idle"
+    assert stx.extend.save_inter_p.bind(x, **params) == []
+    (y,) = stx.extend.save_inter_p.bind(x, **dict(params, status="inert"))
     assert y is x
 
 
@@ -85,8 +89,8 @@ def _params():
 
 
 def test_an_unpulled_mark_is_one_equation_that_only_reads():
-    # Outside a pull a mark reads its value and defines nothing (`_`): the program reads on
-    # from the value itself, so the jaxpr is the hand-written one plus that equation.
+    # Outside a pull a mark reads its value and defines nothing (no outputs): the program reads
+    # on from the value itself, so the jaxpr is the hand-written one plus that equation.
     def f(x):
         y = jnp.sin(x)
         assert stx.save_inter(y, name="y") is y
@@ -99,32 +103,41 @@ def test_an_unpulled_mark_is_one_equation_that_only_reads():
     sin, mark, cos = jaxpr.eqns
     assert mark.primitive is stx.extend.save_inter_p and mark.params["status"] == "idle"
     assert mark.invars == sin.outvars == cos.invars
-    assert str(mark.outvars[0]) == "_"
+    assert mark.outvars == []
     unmarked = jaxpr.replace(eqns=[sin, cos])
     assert str(unmarked) == str(jax.make_jaxpr(by_hand)(1.0).jaxpr)
 
 
-def test_an_unpulled_mark_drops_its_output_as_jax_does():
-    # The dropped output an unpulled mark stages is made without `DropVar`'s constructor (see
-    # `_compat._dropped`): it is the same object as one made with it, and JAX's own checks of
-    # the jaxpr (`jax_enable_checks`) pass.
+def test_an_unpulled_mark_passes_jaxs_own_checks():
+    # However it is staged (directly, on a value an equation made or on an input; or bound,
+    # under a transformation), an unpulled mark has no outputs, and JAX's checks of the jaxprs
+    # it is in (`jax_enable_checks`) pass, through differentiation and batching.
     def f(x):
         y = stx.save_inter(jnp.sin(x), name="y")
-        stx.save_inter(x, name="x")  # a tracer made by no equation: the general path
+        stx.save_inter(x, name="x")  # a tracer made by no equation
+        stx.save_inter({"pair": (x, y)}, name="tree")  # a pytree: one equation on its leaves
         return jnp.cos(y)
 
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        stx.save_inter(t, name="t")  # on a tangent: partially evaluated as an unknown
+        return jnp.sin(x), jnp.cos(x) * t
+
     with jax.enable_checks(True):
-        jaxpr = jax.make_jaxpr(f)(1.0).jaxpr
-    marks = [e for e in jaxpr.eqns if e.primitive is stx.extend.save_inter_p]
-    assert len(marks) == 2
-    for eqn in marks:
-        (var,) = eqn.outvars
-        made = type(var)(var.aval)
-        assert type(var).__name__ == "DropVar" and var.aval is eqn.invars[0].aval
-        slots = [s for c in type(var).__mro__ for s in getattr(c, "__slots__", ()) if s != "count"]
-        # (JAX 0.8 -- 0.9 number each variable, `count`, which the two then differ in.)
-        assert {s: getattr(var, s) for s in slots} == {s: getattr(made, s) for s in slots}
-        assert vars(var) == vars(made)
+        closed = jax.make_jaxpr(f)(1.0)
+        jax.make_jaxpr(jax.grad(f))(1.0)
+        jax.make_jaxpr(jax.vmap(jax.grad(f)))(jnp.ones(3))
+        assert_tree_allclose(jax.jit(jax.grad(f))(1.0), -jnp.sin(jnp.sin(1.0)) * jnp.cos(1.0))
+        assert_tree_allclose(jax.jit(jax.grad(g))(0.5), jnp.cos(0.5))
+        assert_tree_allclose(jax.linearize(g, 0.5)[1](2.0), 2.0 * jnp.cos(0.5))
+    marks = [e for e in closed.eqns if e.primitive is stx.extend.save_inter_p]
+    assert [len(e.invars) for e in marks] == [1, 1, 2]
+    assert all(e.outvars == [] for e in marks)
 
 
 def dead_in_scan(x):
