@@ -233,10 +233,10 @@ from jax._src.shard_map import shard_map_p as SHARD_MAP_PRIMITIVE  # noqa: E402
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED_SHARDING  # noqa: E402
 
 
-def register_lowering_identity(prim: jex.Primitive, defines: Callable[[dict], bool]) -> None:
-    """Lower `prim` to no op at all: its outputs are its operands where `defines(params)`, and
-    it has none elsewhere (an equation that only reads)."""
-    mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs) if defines(params) else [])
+def register_lowering_identity(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
+    """Lower `prim` to no op at all: its outputs are its operands, or, where
+    `only_reads(params)`, it has none."""
+    mlir.register_lowering(prim, lambda ctx, *xs, **params: [] if only_reads(params) else list(xs))
 
 
 def register_lowering(prim: jex.Primitive, rule: Callable) -> None:
@@ -400,9 +400,8 @@ def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
     `prim`'s rules give none for `params`), into the jaxpr trace in force, when every one of
     `args` is a tracer of it; `False` elsewhere (then bind). The program reads on from `args`
     themselves, so the equation costs no variable or tracer; the frame holds it whatever its
-    auto-DCE (as
-    `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and `prim`'s DCE
-    and partial evaluation rules keep it (`register_dce_rule`,
+    auto-DCE (as `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and
+    `prim`'s DCE and partial evaluation rules keep it (`register_dce_rule`,
     `register_partial_eval_keeping`)."""
     trace = _tracing_all(args)
     if trace is None:

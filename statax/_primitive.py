@@ -283,9 +283,11 @@ def batch_first(axis_size: int, vals, dims) -> list:
     ]
 
 
-def _defines(params: dict) -> bool:
-    """Whether a mark has outputs (its operands): all but an idle one, which only reads."""
-    return params["status"] != IDLE
+def _idle(params: dict) -> bool:
+    """Whether a mark is idle: it only reads (it has no outputs; any other mark's are its
+    operands), and a later `pull` of the jaxpr collects it, so that dead-code elimination and
+    partial evaluation keep it all the same."""
+    return params["status"] == IDLE
 
 
 def _outputs(values: list, status: str) -> list:
@@ -312,7 +314,7 @@ def _abstract_eval(*avals, meta, status):  # (as `_stage` stages it)
     return _outputs(list(avals), status), effects
 
 
-_compat.register_lowering_identity(save_inter_p, _defines)
+_compat.register_lowering_identity(save_inter_p, _idle)
 
 
 def _jvp(primals, tangents, *, meta, status):
@@ -340,7 +342,7 @@ def _transpose(cts, *args, **params):
     # Only reached when a tangent itself is marked (e.g. in a custom JVP rule): it is linear
     # and the identity, so cotangents pass through. Nothing is saved for them. An idle mark
     # has no outputs: its operands get no cotangent from it.
-    return list(cts) if _defines(params) else [None] * len(args)
+    return [None] * len(args) if _idle(params) else list(cts)
 
 
 _compat.register_transpose_rule(save_inter_p, _transpose)
@@ -391,12 +393,6 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 
 
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
-
-
-def _idle(params: dict) -> bool:
-    # An idle mark defines nothing (see `_stage`), and a later `pull` of the jaxpr collects it:
-    # dead-code elimination and partial evaluation keep it all the same.
-    return params["status"] == IDLE
 
 
 _compat.register_dce_rule(save_inter_p, _idle)
