@@ -87,6 +87,7 @@ __all__ = [
     "register_lowering_identity",
     "register_partial_eval_keeping",
     "register_remat_partial_eval_rule",
+    "register_staging_keeping",
     "rebind_vary",
     "register_transpose_rule",
     "restage",
@@ -326,6 +327,22 @@ def register_partial_eval_keeping(prim: jex.Primitive, keep: Callable[[dict], bo
     pe.custom_partial_eval_rules[prim] = rule
 
 
+def register_staging_keeping(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
+    """Where a jaxpr trace stages a bind of `prim` (`eval_jaxpr` of a jaxpr holding it, a rule
+    that binds it) and `keep(params)` (an equation without outputs, which only reads), stage it
+    as `observe` does, held whatever the frame's auto-DCE (JAX's linearization traces tangents
+    into a frame that drops what no output reads); elsewhere as any other equation
+    (`pe.custom_staging_rules`, `(trace, source_info, *tracers, **params)` in JAX 0.8 -- 0.12)."""
+
+    def rule(trace, source_info, *tracers, **params):
+        if keep(params):
+            _stage_observer(trace, prim, list(tracers), params, source_info)
+            return []
+        return trace.default_process_primitive(prim, list(tracers), params, source_info)
+
+    pe.custom_staging_rules[prim] = rule
+
+
 def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:
     """Register `rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn, unks_out,
     inst_out, residuals)`, how `jax.checkpoint`'s partial evaluation splits an equation of
@@ -450,8 +467,11 @@ def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
 _JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, core.JaxprEqn
 
 
-def _stage_observer(trace: Any, prim: jex.Primitive, args: list, params: dict) -> None:
-    source_info = source_info_util._source_info_context.context
+def _stage_observer(
+    trace: Any, prim: jex.Primitive, args: list, params: dict, source_info: Any = None
+) -> None:
+    if source_info is None:
+        source_info = source_info_util._source_info_context.context
     # The context of the equation that made the first input (JAX 0.10 -- 0.12 keep it as the
     # tracer's `parent`), rather than the current one, which costs as much as the rest to look
     # up: the equation lowers to nothing, and a `pull` takes it out.

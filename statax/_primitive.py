@@ -397,3 +397,4 @@ _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
 
 _compat.register_dce_rule(save_inter_p, _idle)
 _compat.register_partial_eval_keeping(save_inter_p, _idle)
+_compat.register_staging_keeping(save_inter_p, _idle)

@@ -140,6 +140,30 @@ def test_an_unpulled_mark_passes_jaxs_own_checks():
     assert all(e.outvars == [] for e in marks)
 
 
+def test_an_unpulled_mark_on_a_tangent_is_kept_by_linearize():
+    # `linearize` traces its linear map into a frame that drops each equation no output reads,
+    # binding the partially evaluated JVP rule there: the rule's unpulled mark on a tangent
+    # stays, and a later pull of the linear map's jaxpr collects it.
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        stx.save_inter(3.0 * t, name="t")
+        return jnp.sin(x), jnp.cos(x) * t
+
+    def by_hand(t):
+        return jnp.cos(0.5) * t, {"t_0": 3.0 * t}
+
+    _, linear = jax.linearize(g, 0.5)
+    rewritten = stx.extend.pull_jaxpr(jax.make_jaxpr(linear)(2.0))
+    out, t = jaxpr_as_fun(rewritten.jaxpr)(2.0)
+    assert [m.name for m in rewritten.outs] == ["t"]
+    assert_tree_allclose((out, {"t_0": t}), by_hand(2.0))
+
+
 def dead_in_scan(x):
     def body(c, _):
         stx.save_inter(jnp.sin(c), name="dead")  # read by nothing
