@@ -108,6 +108,18 @@ def test_an_unpulled_mark_is_one_equation_that_only_reads():
     assert str(unmarked) == str(jax.make_jaxpr(by_hand)(1.0).jaxpr)
 
 
+@jax.custom_jvp
+def tangent_marked(x):
+    return jnp.sin(x)
+
+
+@tangent_marked.defjvp
+def _tangent_marked_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    stx.save_inter(3.0 * t, name="t")  # on a tangent: partially evaluated as an unknown
+    return jnp.sin(x), jnp.cos(x) * t
+
+
 def test_an_unpulled_mark_passes_jaxs_own_checks():
     # However it is staged (directly, on a value an equation made or on an input; or bound,
     # under a transformation), an unpulled mark has no outputs, and JAX's checks of the jaxprs
@@ -118,16 +130,7 @@ def test_an_unpulled_mark_passes_jaxs_own_checks():
         stx.save_inter({"pair": (x, y)}, name="tree")  # a pytree: one equation on its leaves
         return jnp.cos(y)
 
-    @jax.custom_jvp
-    def g(x):
-        return jnp.sin(x)
-
-    @g.defjvp
-    def g_jvp(primals, tangents):
-        (x,), (t,) = primals, tangents
-        stx.save_inter(t, name="t")  # on a tangent: partially evaluated as an unknown
-        return jnp.sin(x), jnp.cos(x) * t
-
+    g = tangent_marked
     with jax.enable_checks(True):
         closed = jax.make_jaxpr(f)(1.0)
         jax.make_jaxpr(jax.grad(f))(1.0)
@@ -144,20 +147,10 @@ def test_an_unpulled_mark_on_a_tangent_is_kept_by_linearize():
     # `linearize` traces its linear map into a frame that drops each equation no output reads,
     # binding the partially evaluated JVP rule there: the rule's unpulled mark on a tangent
     # stays, and a later pull of the linear map's jaxpr collects it.
-    @jax.custom_jvp
-    def g(x):
-        return jnp.sin(x)
-
-    @g.defjvp
-    def g_jvp(primals, tangents):
-        (x,), (t,) = primals, tangents
-        stx.save_inter(3.0 * t, name="t")
-        return jnp.sin(x), jnp.cos(x) * t
-
     def by_hand(t):
         return jnp.cos(0.5) * t, {"t_0": 3.0 * t}
 
-    _, linear = jax.linearize(g, 0.5)
+    _, linear = jax.linearize(tangent_marked, 0.5)
     rewritten = stx.extend.pull_jaxpr(jax.make_jaxpr(linear)(2.0))
     out, t = jaxpr_as_fun(rewritten.jaxpr)(2.0)
     assert [m.name for m in rewritten.outs] == ["t"]
