@@ -131,6 +131,16 @@ def test_custom_jvp_rule_mark_in_both_orders_of_jvp():
     check_pull(rule_marked, rule_marked_ref, x, transforms=("plain", "jit", "vmap"))
 
 
+def test_custom_jvp_rule_tangent_mark_under_linearize():
+    # A pull around `linearize` and its linear map sees the rule run on the tangent: both marks.
+    # Reverse mode computes no tangent: under grad the tangent's mark has no value and no key.
+    x, t = jnp.float32(2.0), jnp.float32(1.0)
+    out, inters = stx.pull(lambda x, t: jax.linearize(rule_marked, x)[1](t))(x, t)
+    assert_tree_allclose((out, inters), (2 * t, {"x_0": 2 * x, "t_0": 3 * t}))
+    grad, inters = stx.pull(jax.grad(rule_marked))(x)
+    assert_tree_allclose((grad, inters), (2.0, {"x_0": 2 * x}))
+
+
 def test_custom_jvp_rule_mark_under_grad_and_vmap_in_both_orders():
     xs = jnp.array([0.5, 2.0])
     # grad: the rule governs (d/dx = 2); the rule's mark is the primal's value in both orders.
