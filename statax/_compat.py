@@ -81,13 +81,11 @@ __all__ = [
     "observe",
     "observe_staged",
     "register_batching_rule",
-    "register_dce_rule",
     "register_jvp_rule",
     "register_lowering",
     "register_lowering_identity",
-    "register_partial_eval_keeping",
+    "register_readers",
     "register_remat_partial_eval_rule",
-    "register_staging_keeping",
     "rebind_vary",
     "register_transpose_rule",
     "restage",
@@ -290,29 +288,31 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching.fancy_primitive_batchers[prim] = fancy
 
 
-def register_dce_rule(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
-    """Have dead-code elimination keep an equation of `prim` where `keep(params)`, as if its
-    outputs were read, and treat it as any other elsewhere (`pe.dce_rules`; a rule takes
-    `(used_outputs, eqn)` in JAX 0.8 -- 0.11 and `(used_outputs, live_inputs, eqn)` in 0.12)."""
+def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
+    """Keep every equation of `prim` where `only_reads(params)`: one with no outputs and no
+    effect, which only reads its operands (as `observe` stages it), and which JAX would drop as
+    dead wherever it looks for dead code. Elsewhere an equation of `prim` is treated as any
+    other. Three of JAX's rule tables (JAX 0.8 -- 0.12):
 
-    def rule(used_outputs, *rest):
+    * dead-code elimination (`pe.dce_rules`; a rule takes `(used_outputs, eqn)` to 0.11 and
+      `(used_outputs, live_inputs, eqn)` in 0.12);
+    * partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work, `linearize`
+      of a primitive without a rule of its own; `pe.custom_partial_eval_rules`), which keeps
+      the equation as it keeps an effectful one, in `effect_handles`, staged as
+      `JaxprTrace.default_process_primitive` stages one, since no output tracer holds it;
+    * staging a bind into a jaxpr (`eval_jaxpr` of a jaxpr holding it, a rule that binds it;
+      `pe.custom_staging_rules`, `(trace, source_info, *tracers, **params)`), held as `observe`
+      holds it, whatever the frame's auto-DCE (`linearize` traces tangents into a frame that
+      drops what no output reads)."""
+
+    def dce(used_outputs, *rest):
         eqn = rest[-1]
-        if keep(eqn.params):
+        if only_reads(eqn.params):
             return [True] * len(eqn.invars), eqn
         return pe._default_dce_rule(used_outputs, *rest)
 
-    pe.dce_rules[prim] = rule
-
-
-def register_partial_eval_keeping(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
-    """In partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work,
-    `linearize` of a primitive without a rule of its own), stage an equation of `prim` with
-    unknown inputs as any other, and where `keep(params)` (an equation without outputs, which
-    only reads) keep it, as an effectful one is kept (`JaxprTrace.effect_handles`; as
-    `JaxprTrace.default_process_primitive` stages one, JAX 0.8 -- 0.12)."""
-
-    def rule(trace, *tracers, **params):
-        if not keep(params):
+    def partial_eval(trace, *tracers, **params):
+        if not only_reads(params):
             return trace.default_process_primitive(prim, tracers, params)
         tracers = [trace.to_jaxpr_tracer(t) for t in tracers]
         if all(t.pval.is_known() for t in tracers):
@@ -324,23 +324,15 @@ def register_partial_eval_keeping(prim: jex.Primitive, keep: Callable[[dict], bo
         trace.effect_handles.append(pe.EffectHandle(tracers, recipe))
         return []
 
-    pe.custom_partial_eval_rules[prim] = rule
-
-
-def register_staging_keeping(prim: jex.Primitive, keep: Callable[[dict], bool]) -> None:
-    """Where a jaxpr trace stages a bind of `prim` (`eval_jaxpr` of a jaxpr holding it, a rule
-    that binds it) and `keep(params)` (an equation without outputs, which only reads), stage it
-    as `observe` does, held whatever the frame's auto-DCE (JAX's linearization traces tangents
-    into a frame that drops what no output reads); elsewhere as any other equation
-    (`pe.custom_staging_rules`, `(trace, source_info, *tracers, **params)` in JAX 0.8 -- 0.12)."""
-
-    def rule(trace, source_info, *tracers, **params):
-        if keep(params):
+    def staging(trace, source_info, *tracers, **params):
+        if only_reads(params):
             _stage_observer(trace, prim, list(tracers), params, source_info)
             return []
         return trace.default_process_primitive(prim, list(tracers), params, source_info)
 
-    pe.custom_staging_rules[prim] = rule
+    pe.dce_rules[prim] = dce
+    pe.custom_partial_eval_rules[prim] = partial_eval
+    pe.custom_staging_rules[prim] = staging
 
 
 def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:
@@ -418,8 +410,7 @@ def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
     `args` is a tracer of it; `False` elsewhere (then bind). The program reads on from `args`
     themselves, so the equation costs no variable or tracer; the frame holds it whatever its
     auto-DCE (as `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and
-    `prim`'s DCE and partial evaluation rules keep it (`register_dce_rule`,
-    `register_partial_eval_keeping`)."""
+    `prim`'s rules keep it (`register_readers`)."""
     trace = _tracing_all(args)
     if trace is None:
         return False

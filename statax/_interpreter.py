@@ -37,7 +37,7 @@ from jax.extend import core as jex
 from . import _compat, _equinox, _reduce
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
-from ._primitive import COLLECTING, INERT, INPUT, collected, save_inter_p
+from ._primitive import COLLECTING, IDLE, INERT, INPUT, collected, save_inter_p
 
 __all__ = [
     "Exposer",
@@ -759,7 +759,7 @@ def _inert(jaxpr, which):
     for eqn in jaxpr.eqns:
         if eqn.primitive is save_inter_p:
             if which is None or which(eqn.params["meta"]):
-                if not eqn.outvars:  # an idle mark, which only reads: inert, it does nothing
+                if eqn.params["status"] == IDLE:  # it only reads: inert, it does nothing
                     continue
                 eqn = eqn.replace(params=dict(eqn.params, status=INERT))
         elif _eqn_saves(eqn):

@@ -141,10 +141,10 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             f"save_inter(..., reduce={reduce!r}) at {_caller_location()}: reduce must be one of "
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
-    scope = _compat.SCOPE.value
+    scope = _SCOPE.value
     name = scope + name
     if isinstance(value, jax.Array):  # one array, without flattening
-        frame = sys._getframe(1)
+        frame = _getframe(1)
         code = frame.f_code
         inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
         params = _array_params(name, _caller() if inside else (code, frame.f_lineno), reduce)
@@ -395,6 +395,4 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
 
 
-_compat.register_dce_rule(save_inter_p, _idle)
-_compat.register_partial_eval_keeping(save_inter_p, _idle)
-_compat.register_staging_keeping(save_inter_p, _idle)
+_compat.register_readers(save_inter_p, _idle)
