@@ -3,10 +3,10 @@
 Tracks the activations of every layer (marked with `save_inter`), the weights, the gradients
 and the optimizer state (a momentum buffer, a plain pytree), as in-graph statistics every
 `--every` steps; writes TensorBoard event files, a pandas DataFrame in tandv's schema, and
-plots. Needs the extras: pip install -e ".[all]"
+plots. Needs the extras in `statax[all]`, which the README's set-up installs (in `.venv`):
 
-    python examples/train_digits.py --steps 300 --out runs/digits
-    tensorboard --logdir runs/digits
+    .venv/bin/python examples/train_digits.py --steps 300 --out runs/digits
+    .venv/bin/tensorboard --logdir runs/digits
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def describe(inters: dict[str, Any]) -> Description:
     values), NaN and Inf counts, and the file:line of the `save_inter` (for a dict that `pull`
     returned). Statistics are computed on the device, one small transfer per array.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> def f(x):
         ...     return stx.save_inter(x * 2, name="double")

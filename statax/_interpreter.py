@@ -115,7 +115,7 @@ def register_handler(
     handler: Handler | None = None,
     *,
     find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
-):
+) -> Handler | Callable[[Handler], Handler]:
     """Teach `pull` to see inside a higher-order primitive.
 
     A handler takes an equation of `primitive` and returns a `Rewrite(new_eqn, outs, ins)`:

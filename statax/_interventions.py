@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ._plant import Add, Planting
 from ._pull import _Pulled, call_pulled, pull
+from ._tracebacks import boundary
 
 __all__ = ["grad_inters", "plant"]
 
@@ -19,6 +20,7 @@ __all__ = ["grad_inters", "plant"]
 class _Planted(eqx.Module):
     fn: Callable
 
+    @boundary
     def __call__(self, values: Mapping[str, Any], *args, **kwargs):
         if not isinstance(values, Mapping):
             raise TypeError(
@@ -36,33 +38,34 @@ def plant(fn: Callable) -> Callable:
     marked value that `values` names replaced. Everything downstream uses the replacement;
     work that only fed a replaced value is dropped from the compiled program.
 
+    `values` maps keys, as `pull` returns them (`"h_2"`: the third occurrence of `h`; `"h"`:
+    every occurrence), to one of:
+
+    * an array (or a pytree of the marked value's structure): the marked value becomes it.
+      Arrays are traced, so new values do not retrace. For a key stacked by a `scan`, it has
+      the stacked shape, one row per iteration; in a `while_loop`, one iteration's shape, used
+      in every iteration; under an inner `vmap`, the batch axis first (an unbatched value is
+      broadcast);
+    * a function of the old value (a hook, compared by identity: define it once), applied in
+      every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d` steers.
+
+    In `cond`/`switch`, a replacement applies in the branch that runs. Under an inner `grad`,
+    the primal is replaced and derivatives flow through the replacement. Inside a
+    custom-derivative function, a planted value changes the function, so it is differentiated
+    as written rather than by its custom rule.
+
     Args:
         fn: any callable, as for `pull`.
 
     Returns:
-        A callable `(values, *args, **kwargs) -> out`. `values` maps keys, as `pull` returns
-        them (`"h_2"`: the third occurrence of `h`; `"h"`: every occurrence), to:
-
-        * an array (or a pytree of the marked value's structure): the marked value becomes
-          it. Arrays are traced, so new values do not retrace. For a key stacked by a `scan`,
-          it has the stacked shape, one row per iteration; in a `while_loop`, one iteration's
-          shape, used in every iteration; under an inner `vmap`, the batch axis first (an
-          unbatched value is broadcast);
-        * a function of the old value (a hook, compared by identity: define it once), applied
-          in every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d`
-          steers.
-
-        In `cond`/`switch`, a replacement applies in the branch that runs. Under an inner
-        `grad`, the primal is replaced and derivatives flow through the replacement. Inside a
-        custom-derivative function, a planted value changes the function, so it is
-        differentiated as written rather than by its custom rule.
+        A callable `(values, *args, **kwargs) -> out`, `values` as above.
 
     Raises:
         PlantError: a key that names no mark (the error lists the marks, with their sites), a
             replacement or hook result of the wrong shape, dtype or structure, or a name saved
             with `reduce=`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> def f(x):
         ...     h = stx.save_inter(x * 2, name="h")
@@ -102,7 +105,7 @@ def grad_inters(
         `argnums`. `inter_grads` has `pull`'s keys and shapes (stacked in a `scan`, per
         example under a `vmap`) for every unreduced intermediate of a floating dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> def loss(w, x):
         ...     h = stx.save_inter(w * x, name="h")
@@ -111,6 +114,7 @@ def grad_inters(
         (Array(45., dtype=float32), {'h_0': Array([ 0.,  6., 12.], dtype=float32)})
     """
 
+    @boundary
     def run(*args, **kwargs):
         shapes = eqx.filter_eval_shape(pull(fn, only=only), *args, **kwargs)[1]
         zeros = {

@@ -19,6 +19,7 @@ SCALARS = (
     "rms",
     "max_abs",
     "zero_fraction",
+    "zero_count",
     "nan_count",
     "inf_count",
 )
@@ -38,12 +39,12 @@ def stats(tree: Any, *, format: str | None = "float8_e4m3fn") -> Any:
     """Summary statistics of every array leaf of `tree`, computed where it is (inside `jit`).
 
     Per leaf, a dict of scalars: `mean`, `std`, `min`, `max`, `rms`, `max_abs` (over the finite
-    values), `zero_fraction`, `nan_count`, `inf_count`; and an exponent histogram:
-    `exponent_counts[i]` counts the finite non-zero values in `[2**n, 2**(n+1))` with
-    `n = exponent_min + i`, over the range of the leaf's dtype; `underflow` and `overflow`
-    count the values that a cast to `format` (an `ml_dtypes` float format such as
-    `"float8_e4m3fn"`; `None` for none) would flush to zero or push past its largest value,
-    as tandv's schema records them.
+    values), `zero_fraction` and `zero_count` (exact zeros), `nan_count`, `inf_count`; and an
+    exponent histogram: `exponent_counts[i]` counts the finite non-zero values in
+    `[2**n, 2**(n+1))` with `n = exponent_min + i`, over the range of the leaf's dtype;
+    `underflow` and `overflow` count the values that a cast to `format` (an `ml_dtypes` float
+    format such as `"float8_e4m3fn"`; `None` for none) would flush to zero or push past its
+    largest value, as tandv's schema records them.
 
     Use it as `stx.pull(fn, summarize=stx.stats)`, so that only the summaries leave the device.
 
@@ -54,7 +55,7 @@ def stats(tree: Any, *, format: str | None = "float8_e4m3fn") -> Any:
     Returns:
         `tree` with each array leaf replaced by its dict of statistics.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> s = stx.stats(jnp.array([0.0, 1.0, -3.0, 1000.0]))
         >>> float(s["max_abs"]), float(s["zero_fraction"]), int(s["overflow"])
@@ -115,6 +116,7 @@ def _leaf_stats(x, format):
         "rms": jnp.sqrt(squares / n),
         "max_abs": jnp.maximum(jnp.abs(low), jnp.abs(high)),
         "zero_fraction": zero_count / max(v.size, 1),
+        "zero_count": zero_count,
         "nan_count": nan_count,
         "inf_count": inf_count,
         "exponent_min": jnp.int32(lo),
@@ -172,6 +174,7 @@ def _wide_stats(v, dtype, lo, hi, format):
         "rms": jnp.sqrt(jnp.sum(safe**2) / n),
         "max_abs": jnp.max(a),
         "zero_fraction": jnp.mean(v == 0),
+        "zero_count": jnp.sum(v == 0),
         "nan_count": jnp.sum(jnp.isnan(v)),
         "inf_count": jnp.sum(jnp.isinf(v)),
         "exponent_min": jnp.int32(lo),
@@ -187,7 +190,7 @@ def tree_stats(tree: Any, *, format: str | None = "float8_e4m3fn") -> dict[str, 
     """`stats` of every array leaf of `tree`, keyed by its path (`"layers[0].weight"`), for
     weights, gradients and optimizer state.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> sorted(stx.tree_stats({"w": jnp.ones(2), "b": [jnp.zeros(1)]}))
         ['b[0]', 'w']

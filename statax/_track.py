@@ -18,7 +18,7 @@ class Tracker:
     optimizer state) and only on the steps where `tracker.due(step)` is true, passed to it as a
     static argument: on the other steps nothing is computed, transferred or done in Python.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, statax as stx
         >>> tracker = stx.Tracker(every=2)
         >>> @jax.jit
