@@ -102,7 +102,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         TypeError: if `name` is not a string.
         ValueError: if `reduce` is not one of the modes above.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> def f(x):
         ...     y = stx.save_inter(2 * x, name="y")

@@ -19,7 +19,7 @@ class scope(contextlib.ContextDecorator):  # noqa: N801 - used like a function
     Args:
         name: the scope's name, a non-empty string without `"/"` at either end.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, statax as stx
         >>> @stx.scope("encoder")
         ... def encode(x):
