@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from ._meta import StateMeta
@@ -24,6 +25,20 @@ def _where(metas: Sequence[StateMeta]) -> str:
     return shown + more
 
 
+def import_path(obj) -> str | None:
+    """A dotted name `obj` can be imported by (`module.attribute`), public modules first, then
+    the shortest; None where no loaded module holds it. Primitives have no such name of their
+    own (`custom_vmap_p` is `jax._src.custom_batching.custom_vmap_p`); this finds it."""
+    found = [
+        f"{name}.{attr}"
+        for name, module in list(sys.modules.items())
+        for attr, value in list(getattr(module, "__dict__", {}).items())
+        if value is obj and not attr.startswith("__")
+    ]
+    private = lambda path: any(part.startswith("_") for part in path.split("."))  # noqa: E731
+    return min(found, key=lambda path: (private(path), len(path), path), default=None)
+
+
 class UnhandledPrimitiveError(NotImplementedError):
     """A higher-order primitive without a handler holds a `save_inter`."""
 
@@ -36,12 +51,20 @@ class UnhandledPrimitiveError(NotImplementedError):
             if in_rules
             else "whose inner jaxpr holds save_inter "
         )
+        path = import_path(primitive)
+        if path is None:
+            name, got = "prim", "with prim = error.primitive (this error holds the primitive)"
+        else:
+            module, name = path.rsplit(".", 1)
+            got = f"after `from {module} import {name}`"
+            if "._" in "." + path:
+                got += " (a private name; this error holds it too, as `.primitive`)"
         super().__init__(
             f"statax.pull cannot look inside the primitive `{primitive}`, {where}"
             f"{_where(self.metas)}.\n"
-            "To fix: register a handler with "
-            f"`statax.extend.register_handler({primitive}_p, handler)` (see 'Writing a "
-            f"handler' in the docs), or move the save_inter out of the `{primitive}`."
+            f"To fix: register a handler, `statax.extend.register_handler({name}, handler)` "
+            f"{got}, as 'Writing a handler' in the docs shows; or move the save_inter out of "
+            f"the `{primitive}`."
         )
 
 

@@ -31,6 +31,26 @@ def test_unhandled_primitive_with_a_mark_names_it_the_mark_and_the_fix():
         assert info.value.primitive is twice_call_p
 
 
+def test_unhandled_primitive_error_names_an_importable_primitive():
+    # JAX's custom_vmap primitive is `custom_vmap_call` in a jaxpr, but no public name holds it:
+    # the error says where it can be imported from, rather than inventing `custom_vmap_call_p`.
+    @jax.custom_batching.custom_vmap
+    def f(x):
+        return stx.save_inter(x * 2, name="h")
+
+    f.def_vmap(lambda size, batched, x: (x * 2, batched[0]))
+    with pytest.raises(stx.UnhandledPrimitiveError) as info:
+        stx.pull(f)(jnp.ones(3))
+    message = str(info.value)
+    assert "custom_vmap_call_p" not in message
+    match = re.search(
+        r"register_handler\((\w+), handler\)` after `from ([\w.]+) import (\w+)`", message
+    )
+    assert match and match[1] == match[3]
+    module = __import__(match[2], fromlist=[match[3]])
+    assert getattr(module, match[3]) is info.value.primitive
+
+
 def test_unhandled_primitive_without_marks_is_left_alone():
     def f(x):
         return stx.save_inter(twice_call(lambda y: y * 3, x), name="after")
@@ -76,3 +96,29 @@ def test_register_handler_needs_a_primitive():
 def test_unhandled_primitive_error_is_raised_at_trace_time_not_run_time():
     with pytest.raises(stx.UnhandledPrimitiveError):
         jax.make_jaxpr(stx.pull(lambda x: twice_call(mark_inside, x)))(jnp.ones(2))
+
+
+def test_a_users_mistake_shows_the_users_frames_and_none_of_statax_or_jax():
+    import traceback
+
+    from statax._tracebacks import PACKAGE
+
+    def f(x):
+        return stx.save_inter(x * 2, name=3)
+
+    line = f.__code__.co_firstlineno + 1
+    calls = {
+        "pull": lambda: stx.pull(f)(jnp.ones(3)),
+        "pull(jit)": lambda: stx.pull(jax.jit(f))(jnp.ones(3)),
+        "plant": lambda: stx.plant(f)({}, jnp.ones(3)),
+        "grad_inters": lambda: stx.grad_inters(lambda x: jnp.sum(f(x)))(jnp.ones(3)),
+        "stateful": lambda: stx.stateful(f)(jnp.ones(3)),
+    }
+    for how, call in calls.items():
+        with pytest.raises(TypeError, match="needs a string name") as info:
+            call()
+        frames = traceback.extract_tb(info.value.__traceback__)
+        files = [frame.filename for frame in frames]
+        assert not [f for f in files if f.startswith((PACKAGE, jax.__path__[0]))], how
+        assert (frames[-1].filename, frames[-1].lineno) == (__file__, line), how
+        assert len(frames) <= 6, (how, files)
