@@ -23,6 +23,7 @@ from ._errors import KeyCollisionError
 from ._interpreter import mark, on_forget, pull_collected, pull_staged, selecting, take
 from ._meta import ARRAY, StateMeta, hashable, keys_of
 from ._primitive import Collector, collecting
+from ._tracebacks import boundary
 
 __all__ = ["pull"]
 
@@ -93,6 +94,7 @@ class _Pulled:
         `jax.jit(..., static_argnames=...)` read), and JAX names a trace by `fn`."""
         return self.fn
 
+    @boundary
     def __call__(self, *args, **kwargs):
         known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
         if known is not None and known[0] == _GENERATION[0] and _compat.eager():
@@ -598,7 +600,7 @@ def pull(
         as `fn` alone would be, and stages the marked values as outputs, nothing else;
         called eagerly, it traces `fn` once per argument types and shapes and caches that.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, statax as stx
         >>> def f(x):
         ...     stx.save_inter(x ** 2, name="sq")

@@ -41,6 +41,7 @@ from ._errors import StateError, StatefulWarning
 from ._interpreter import inert, zero_tangent
 from ._meta import ARRAY, StateMeta, split
 from ._primitive import _caller_location, batch_first
+from ._tracebacks import boundary
 
 __all__ = ["get_state", "get_state_p", "set_state", "set_state_p", "stateful"]
 
@@ -192,6 +193,7 @@ class _Stateful(eqx.Module):
     fn: Callable
     output_unchanged: bool = eqx.field(static=True)
 
+    @boundary
     def __call__(self, *args, state: dict | None = None, **kwargs):
         return _call(self.fn, self.output_unchanged, args, kwargs, state)
 
