@@ -96,14 +96,17 @@ class TensorBoardWriter:
                 values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(value)))
         self._add(step, values)
         for record in records:
-            exps = {k: v for k, v in record["exponent_counts"].items() if isinstance(k, int)}
-            if not any(exps.values()):
-                continue
-            used = sorted(k for k, v in exps.items() if v)
-            keys = range(used[0], used[-1] + 1)
+            exps = {k: v for k, v in record["exponent_counts"].items() if isinstance(k, int) and v}
+            zeros = int(record["scalar_stats"].get("zero_count", 0))
             # The histogram's x axis is the exponent itself: bucket k is [k, k + 1) and holds
             # the values in [2**k, 2**(k+1)). TensorBoard re-bins linearly, which would flatten
-            # edges at the powers of two themselves.
+            # edges at the powers of two themselves. Exact zeros have no exponent: they are a
+            # bucket of their own, two below the smallest exponent, an empty bucket between.
+            if zeros:
+                exps[min(exps, default=2) - 2] = zeros
+            if not exps:
+                continue
+            keys = range(min(exps), max(exps) + 1)
             counts = [exps.get(k, 0) for k in keys]
             stats = (
                 keys[0],
@@ -176,19 +179,26 @@ def plot_exponent_histogram(
     format: str | None = "float8_e4m3fn",
 ):
     """Bar chart of one tensor's values per power of two at one step, with the range of
-    `format` shaded. Returns the matplotlib Figure."""
+    `format` shaded, and exact zeros (which have no exponent) as a grey bar of their own, left
+    of the others. Returns the matplotlib Figure."""
     plt = _pyplot()
     rows = _select(frame, tensor_type)
     row = rows[(rows[("metadata", "name")] == name) & (rows[("metadata", "step")] == step)]
     if row.empty:
         raise KeyError(f"no {tensor_type} {name!r} at step {step} in the frame")
     counts = row["exponent_counts"].iloc[0]
+    scalars = row["scalar_stats"].iloc[0]
+    zeros = int(scalars.get("zero_count", 0))
     exps = sorted(k for k in counts.index if isinstance(k, int) and counts[k] > 0)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     if exps:
         lo, hi = exps[0] - 2, exps[-1] + 2
         xs = list(range(lo, hi + 1))
         ax.bar(xs, [counts.get(x, 0) for x in xs], color="tab:blue")
+    if zeros:  # exact zeros have no exponent: a bar of their own, left of the smallest one
+        at = (exps[0] if exps else 0) - 4
+        ax.bar([at], [zeros], color="tab:gray", label=f"exact zeros ({zeros})")
+        ax.annotate("0", (at, 0), xytext=(0, -14), textcoords="offset points", ha="center")
     if format is not None:
         import ml_dtypes
 
@@ -200,13 +210,14 @@ def plot_exponent_histogram(
             color="tab:green",
             label=f"{format} range",
         )
-        ax.legend()
     ax.set(
         xlabel="exponent n (values in [2^n, 2^(n+1)))",
         ylabel="count",
-        title=f"{tensor_type} {name}, step {step} (underflow {int(counts['-inf'])}, "
-        f"overflow {int(counts['+inf'])})",
+        title=f"{tensor_type} {name}, step {step} (zeros {zeros}, underflow "
+        f"{int(counts['-inf'])}, overflow {int(counts['+inf'])})",
     )
+    if zeros or format is not None:
+        ax.legend()
     fig.tight_layout()
     return fig
 

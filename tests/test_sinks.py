@@ -66,6 +66,36 @@ def test_tracker_and_tensorboard_files_read_back_with_tensorboard(tmp_path):
     assert histogram.min == min(exps) and histogram.max == max(exps) + 1
 
 
+def test_exact_zeros_are_a_bar_of_their_own_in_tensorboard_and_the_plot(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x = jnp.array([-3.0, -1.0, 0.0, 0.25, 0.5, 1.5, 3.0, -2.0, 6.0])
+    relu = jax.nn.relu(x)  # 4 of 9 exactly zero; the rest in [2**-2, 2**3)
+    zeros = int(np.sum(np.asarray(relu) == 0))
+    assert zeros == 4 and int(stx.stats(relu)["zero_count"]) == zeros
+    tracker = stx.Tracker(sinks=[stx.TensorBoardWriter(str(tmp_path))])
+    tracker.record(0, {"Activation": {"relu": stx.stats(relu)}})
+    tracker.close()
+    record = tracker.records[0]
+    assert record["scalar_stats"]["zero_count"] == zeros
+    exps = {k: v for k, v in record["exponent_counts"].items() if isinstance(k, int) and v}
+    assert exps == {-2: 1, -1: 1, 0: 1, 1: 1, 2: 1}  # 0.25, 0.5, 1.5, 3, 6
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    histogram = accumulator.Histograms("Activation/relu/exponents")[0].histogram_value
+    lefts = [histogram.min, *histogram.bucket_limit[:-1]]
+    got = {int(left): int(c) for left, c in zip(lefts, histogram.bucket) if c}
+    assert got == {-4: zeros, **exps}  # two below the smallest exponent, a gap between
+
+    figure = stx.plot_exponent_histogram(tracker.dataframe(), "relu", 0)
+    (ax,) = figure.axes
+    bars = {(round(p.get_x() + p.get_width() / 2), int(p.get_height())) for p in ax.patches}
+    assert (-2 - 4, zeros) in bars  # the grey bar left of the exponents
+    assert {(k, v) for k, v in exps.items()} <= bars
+    assert "zeros 4" in ax.get_title()
+    assert any("exact zeros (4)" in t.get_text() for t in ax.get_legend().get_texts())
+
+
 def test_dataframe_in_tandv_schema(tmp_path):
     frame = _train(tmp_path).dataframe()
     top = set(frame.columns.get_level_values(0))
