@@ -52,10 +52,12 @@ class UnhandledPrimitiveError(NotImplementedError):
             else "whose inner jaxpr holds save_inter "
         )
         path = import_path(primitive)
+        module, name = path.rsplit(".", 1) if path else (None, "prim")
         if path is None:
-            name, got = "prim", "with prim = error.primitive (this error holds the primitive)"
+            got = "with prim = error.primitive (this error holds the primitive)"
+        elif module == "__main__":
+            got = "(the primitive your script defines)"
         else:
-            module, name = path.rsplit(".", 1)
             got = f"after `from {module} import {name}`"
             if "._" in "." + path:
                 got += " (a private name; this error holds it too, as `.primitive`)"
