@@ -6,6 +6,7 @@ Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
 
 import importlib.metadata
 
+from . import _display
 from . import extend as extend
 from . import handlers as handlers  # registers the built-in handlers
 from ._display import describe as describe
@@ -36,6 +37,8 @@ from ._stateful import stateful as stateful
 from ._stats import stats as stats
 from ._stats import tree_stats as tree_stats
 from ._track import Tracker as Tracker
+
+_display.register_notebook_display()  # in Jupyter or Colab, pull's dicts display as tables
 
 try:
     __version__ = importlib.metadata.version("statax")

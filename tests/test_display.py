@@ -39,10 +39,97 @@ def test_where_a_value_was_saved_travels_with_its_key():
     assert inters["hidden_0"] is inters[next(iter(inters))]  # keys are plain strings to use
 
 
+def _table(html_text):
+    """The cells of the first HTML table in `html_text`, row by row (header row first)."""
+    from html.parser import HTMLParser
+
+    class Cells(HTMLParser):
+        rows: list = []
+        inside = False
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "tr":
+                self.rows.append([])
+            self.inside = tag in ("td", "th")
+            if self.inside:
+                self.rows[-1].append("")
+
+        def handle_endtag(self, tag):
+            self.inside = False
+
+        def handle_data(self, data):
+            if self.inside:
+                self.rows[-1][-1] += data
+
+    parser = Cells()
+    parser.rows = []
+    parser.feed(html_text[: html_text.index("</table>")])
+    return parser.rows
+
+
+def test_describe_is_an_html_table_in_a_notebook_with_the_same_cells_as_its_text(monkeypatch):
+    x = jnp.array([1.0, jnp.nan, 3.0])
+    _, inters = stx.pull(lambda x: stx.save_inter({"a": x, "n": 3}, name="v"))(x)
+    description = stx.describe(inters)
+    monkeypatch.setitem(sys.modules, "treescope", None)  # the plain rendering
+    page = description._repr_html_()
+    rows = _table(page)
+    assert rows[0] == [
+        "name",
+        "shape",
+        "dtype",
+        "mean",
+        "std",
+        "min",
+        "max",
+        "nan",
+        "inf",
+        "saved at",
+    ]
+    text = str(description).splitlines()
+    assert rows[1][:3] == ["v_0.a", "(3,)", "float32"] and text[0].startswith("v_0.a")
+    assert rows[1][3:9] == ["+2", "1", "+1", "+3", "1", "0"]
+    assert rows[1][9] == next(iter(inters)).location
+    assert '<td class="bad">1</td>' in page  # a NaN count above zero stands out
+    assert rows[2][:4] == ["v_0.n", "", "int", "3"]  # a static leaf, as it is
+    assert "treescope" not in page
+
+
 # treescope touches deprecated JAX names on older JAX versions.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_describe_renders_with_treescope_in_a_notebook(monkeypatch):
-    description = stx.describe({"x": jnp.ones(2)})
-    assert "treescope" in description._repr_html_()  # treescope is in the test extras
-    monkeypatch.setitem(sys.modules, "treescope", None)
-    assert description._repr_html_().startswith("<pre>x")
+def test_describe_adds_treescopes_rendering_of_the_values_where_installed():
+    page = stx.describe({"x": jnp.ones(2)})._repr_html_()  # treescope is in the test extras
+    assert _table(page)[1][:3] == ["x", "(2,)", "float32"]
+    assert "treescope" in page[page.index("</table>") :]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_pulls_dict_displays_as_a_table_in_an_ipython_kernel_and_other_dicts_as_before():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from statax import _display
+
+    shell = InteractiveShell.instance()
+    try:
+        formatter = shell.display_formatter.formatters["text/html"]
+        formatter.for_type(dict, lambda d: "<b>theirs</b>" if "mine" in d else None)
+        assert _display.register_notebook_display()
+        _, inters = stx.pull(model)(X)
+        data, _ = shell.display_formatter.format(inters)
+        rows = _table(data["text/html"])
+        assert [row[0] for row in rows[1:]] == ["hidden_0", "double_0"]
+        assert [row[1] for row in rows[1:]] == ["(64, 32)", "(64, 32)"]
+        assert "test_display.py:" in rows[1][-1]
+        # Any other dict: the formatter it had before, or none.
+        assert shell.display_formatter.format({"mine": 1})[0]["text/html"] == "<b>theirs</b>"
+        assert "text/html" not in shell.display_formatter.format({"a": 1})[0]
+        assert "text/html" not in shell.display_formatter.format(dict(inters, plain=1))[0]
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_without_a_kernel_nothing_is_registered(monkeypatch):
+    from statax import _display
+
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)
+    assert _display.register_notebook_display() is False
