@@ -198,7 +198,6 @@ def plot_exponent_histogram(
     if zeros:  # exact zeros have no exponent: a bar of their own, left of the smallest one
         at = (exps[0] if exps else 0) - 4
         ax.bar([at], [zeros], color="tab:gray", label=f"exact zeros ({zeros})")
-        ax.annotate("0", (at, 0), xytext=(0, -14), textcoords="offset points", ha="center")
     if format is not None:
         import ml_dtypes
 
