@@ -205,7 +205,16 @@ def test_optimistix_residual():
         np.testing.assert_allclose(inters[key], jnp.tanh(y) - a, atol=1e-6)
 
 
-def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint():
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        diffrax.RecursiveCheckpointAdjoint(),
+        diffrax.BacksolveAdjoint(),
+        diffrax.DirectAdjoint(),  # a bounded while loop inside equinox
+    ],
+    ids=lambda a: type(a).__name__,
+)
+def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint(adjoint):
     # Two examples that end at different times, with a constant step: each takes its own
     # number of steps, and so makes its own number of vector-field evaluations (Tsit5 is FSAL:
     # one to start, then six per step), although vmap runs both until both are done.
@@ -218,18 +227,12 @@ def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint():
         )  # fmt: skip
         return sol.ys[-1], sol.stats["num_steps"]
 
-    adjoints = [
-        diffrax.RecursiveCheckpointAdjoint(),
-        diffrax.BacksolveAdjoint(),
-        diffrax.DirectAdjoint(),  # a bounded while loop inside equinox
-    ]
-    for adjoint in adjoints:
-        f = lambda t1: solve(t1, adjoint)  # noqa: E731
-        truth_y1, truth_steps = jax.vmap(f)(t1s)
-        np.testing.assert_array_equal(truth_steps, [3, 20])
-        for g in (stx.pull(jax.vmap(f)), jax.vmap(stx.pull(f))):
-            (y1, steps), inters = g(t1s)
-            np.testing.assert_allclose(y1, truth_y1, rtol=1e-5)
-            np.testing.assert_array_equal(inters["evals"], [1 + 6 * 3, 1 + 6 * 20])
-            assert inters["vf_0"].shape == (2, 2)  # (batch, *y's shape), for every adjoint
-            np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
+    f = lambda t1: solve(t1, adjoint)  # noqa: E731
+    truth_y1, truth_steps = jax.vmap(f)(t1s)
+    np.testing.assert_array_equal(truth_steps, [3, 20])
+    for g in (stx.pull(jax.vmap(f)), jax.vmap(stx.pull(f))):
+        (y1, steps), inters = g(t1s)
+        np.testing.assert_allclose(y1, truth_y1, rtol=1e-5)
+        np.testing.assert_array_equal(inters["evals"], [1 + 6 * 3, 1 + 6 * 20])
+        assert inters["vf_0"].shape == (2, 2)  # (batch, *y's shape), for every adjoint
+        np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
