@@ -100,13 +100,18 @@ def describe(inters: dict[str, Any]) -> Description:
 
 
 def _text(rows: list[_Row]) -> str:
+    """The rows as aligned columns (a value that is not an array, shown by its repr, spans the
+    statistics' columns)."""
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    cells = [r.stats for r in rows if r.stats is not None]
+    stat_widths = [max(len(c[i]) for c in cells) for i in range(len(_STATS))] if cells else []
     lines = []
     for r in rows:
         if r.stats is None:
             middle = r.value
         else:
-            middle = "  ".join(f"{label} {cell}" for label, cell in zip(_STATS, r.stats))
+            padded = [c.ljust(w) for c, w in zip(r.stats, stat_widths)]
+            middle = "  ".join(f"{label} {cell}" for label, cell in zip(_STATS, padded))
         head = [r.name.ljust(widths[0]), r.shape.ljust(widths[1]), r.dtype.ljust(widths[2])]
         lines.append("  ".join([*head, middle, r.where]).rstrip())
     return "\n".join(lines)
