@@ -44,8 +44,9 @@ def _table(html_text):
     from html.parser import HTMLParser
 
     class Cells(HTMLParser):
-        rows: list = []
-        inside = False
+        def __init__(self):
+            super().__init__()
+            self.rows, self.inside = [], False
 
         def handle_starttag(self, tag, attrs):
             if tag == "tr":
@@ -62,7 +63,6 @@ def _table(html_text):
                 self.rows[-1][-1] += data
 
     parser = Cells()
-    parser.rows = []
     parser.feed(html_text[: html_text.index("</table>")])
     return parser.rows
 
