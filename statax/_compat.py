@@ -12,6 +12,7 @@ on the version or on behaviour says, in a comment, which versions each side cove
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -289,13 +290,14 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
 
 
 def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
-    """Keep every equation of `prim` where `only_reads(params)`: one with no outputs and no
+    """Keep the equations of `prim` where `only_reads(params)`: one with no outputs and no
     effect, which only reads its operands (as `observe` stages it), and which JAX would drop as
     dead wherever it looks for dead code. Elsewhere an equation of `prim` is treated as any
     other. Three of JAX's rule tables (JAX 0.8 -- 0.12):
 
     * dead-code elimination (`pe.dce_rules`; a rule takes `(used_outputs, eqn)` to 0.11 and
-      `(used_outputs, live_inputs, eqn)` in 0.12);
+      `(used_outputs, live_inputs, eqn)` in 0.12), which keeps it only where the values it
+      reads are live without it (`_live_anyway`): it never keeps alive what JAX would drop;
     * partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work, `linearize`
       of a primitive without a rule of its own; `pe.custom_partial_eval_rules`), which keeps
       the equation as it keeps an effectful one, in `effect_handles`, staged as
@@ -308,7 +310,9 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
     def dce(used_outputs, *rest):
         eqn = rest[-1]
         if only_reads(eqn.params):
-            return [True] * len(eqn.invars), eqn
+            if _live_anyway(eqn.invars, sys._getframe(1)):
+                return [True] * len(eqn.invars), eqn
+            return [False] * len(eqn.invars), None
         return pe._default_dce_rule(used_outputs, *rest)
 
     def partial_eval(trace, *tracers, **params):
@@ -333,6 +337,21 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
     pe.dce_rules[prim] = dce
     pe.custom_partial_eval_rules[prim] = partial_eval
     pe.custom_staging_rules[prim] = staging
+
+
+def _live_anyway(operands: Sequence[Any], frame) -> bool:
+    """Whether every operand of an equation that only reads them is live without it, in the
+    dead-code elimination `frame` is running: `pe._dce_jaxpr`, whose local `env` maps each
+    variable to whether an equation after this one reads it (JAX 0.8 -- 0.12; equations are
+    visited last to first, and a value is marked where it is made, before the program reads
+    on). Where that is not what `frame` shows, it says no: the equation is dropped, as any
+    equation that defines nothing is, so that it never keeps a value alive that JAX would
+    have dropped (which a library can observe: Flax's `nn.scan` refuses a broadcast that
+    depends on the carry)."""
+    env = frame.f_locals.get("env") if frame.f_code.co_name == "_dce_jaxpr" else None
+    if not isinstance(env, dict):
+        return False
+    return all(env.get(v, False) for v in operands if isinstance(v, jex.Var))
 
 
 def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:

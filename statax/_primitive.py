@@ -10,8 +10,10 @@ that is saved). Three things keep a mark alive where JAX would otherwise lose or
 * outside a `pull` (`status="idle"`) it has no effect and no outputs: staged into a jaxpr, it
   is an equation that reads the value and defines nothing (the program reads on from the value
   itself), which is the least a mark can cost in a trace, lowers to nothing, and stays in the
-  jaxpr through dead-code elimination and partial evaluation, so that a later `pull` of the
-  jaxpr (equinox's `noinline`, a jaxpr built ahead of time) collects it;
+  jaxpr through partial evaluation, and through dead-code elimination wherever the program
+  reads the value anyway, so that a later `pull` of the jaxpr (equinox's `noinline`, a jaxpr
+  built ahead of time) collects it; it keeps alive nothing JAX would drop, since libraries
+  look at what dead-code elimination keeps (Flax's `nn.scan` does);
 * `jax.checkpoint`'s partial evaluation keeps it in the forward pass and turns the copy that
   rematerialisation replays in the backward pass into an inert one (`status="inert"`), so that
   each value is collected once, not once per recomputation (an idle mark, which defines
@@ -285,8 +287,8 @@ def batch_first(axis_size: int, vals, dims) -> list:
 
 def _idle(params: dict) -> bool:
     """Whether a mark is idle: it only reads (it has no outputs; any other mark's are its
-    operands), and a later `pull` of the jaxpr collects it, so that dead-code elimination and
-    partial evaluation keep it all the same."""
+    operands), and a later `pull` of the jaxpr collects it, so that partial evaluation keeps
+    it, and dead-code elimination where what it reads is live."""
     return params["status"] == IDLE
 
 

@@ -116,8 +116,8 @@ def tangent_marked(x):
 @tangent_marked.defjvp
 def _tangent_marked_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    stx.save_inter(3.0 * t, name="t")  # on a tangent: partially evaluated as an unknown
-    return jnp.sin(x), jnp.cos(x) * t
+    # On a tangent: partially evaluated as an unknown.
+    return jnp.sin(x), stx.save_inter(jnp.cos(x) * t, name="t")
 
 
 def test_an_unpulled_mark_passes_jaxs_own_checks():
@@ -148,7 +148,7 @@ def test_an_unpulled_mark_on_a_tangent_is_kept_by_linearize():
     # binding the partially evaluated JVP rule there: the rule's unpulled mark on a tangent
     # stays, and a later pull of the linear map's jaxpr collects it.
     def by_hand(t):
-        return jnp.cos(0.5) * t, {"t_0": 3.0 * t}
+        return jnp.cos(0.5) * t, {"t_0": jnp.cos(0.5) * t}
 
     _, linear = jax.linearize(tangent_marked, 0.5)
     rewritten = stx.extend.pull_jaxpr(jax.make_jaxpr(linear)(2.0))
@@ -157,31 +157,38 @@ def test_an_unpulled_mark_on_a_tangent_is_kept_by_linearize():
     assert_tree_allclose((out, {"t_0": t}), by_hand(2.0))
 
 
-def dead_in_scan(x):
+def marked_in_scan(x):
     def body(c, _):
+        c = stx.save_inter(c * 2.0, name="live")  # read on, as the carry
         stx.save_inter(jnp.sin(c), name="dead")  # read by nothing
-        return c * 2.0, None
+        return c, None
 
     return jax.lax.scan(body, x, None, length=3)[0]
 
 
-def test_unpulled_marks_survive_dead_code_elimination_and_partial_evaluation():
-    # A jaxpr traced without a pull keeps its marks however JAX transforms it, though nothing
-    # reads them: `grad` of a scan evaluates its body partially (hoisting loop-invariant work)
-    # and eliminates dead code. Pulled later, the jaxpr returns them.
-    closed = jax.make_jaxpr(jax.grad(dead_in_scan))(0.5)
+def test_unpulled_marks_on_live_values_survive_dead_code_elimination_and_partial_evaluation():
+    # A jaxpr traced without a pull keeps its marks on the values the program reads however JAX
+    # transforms it: `grad` of a scan evaluates its body partially (hoisting loop-invariant
+    # work) and eliminates dead code. Pulled later, the jaxpr returns them. A mark on a value
+    # nothing else reads keeps nothing alive: dead-code elimination drops it with the value,
+    # as it would drop the value unmarked (libraries look at what it keeps: Flax's `nn.scan`
+    # refuses a broadcast variable that depends on the carry).
+    closed = jax.make_jaxpr(jax.grad(marked_in_scan))(0.5)
     rewritten = stx.extend.pull_jaxpr(closed)
-    assert [m.name for m in rewritten.outs] == ["dead"]
-    out, dead = jaxpr_as_fun(rewritten.jaxpr)(0.5)
+    assert [m.name for m in rewritten.outs] == ["live"]
+    out, live = jaxpr_as_fun(rewritten.jaxpr)(0.5)
     assert_tree_allclose(out, 8.0)
-    assert_tree_allclose(dead, jnp.sin(0.5 * 2.0 ** jnp.arange(3)))
+    assert_tree_allclose(live, 0.5 * 2.0 ** jnp.arange(1, 4))
 
     def f(x):
         stx.save_inter(jnp.sin(x), name="dead")
-        return x * 2
+        y = jnp.cos(x)
+        stx.save_inter(y, name="live")
+        return y * 2
 
     kept, used = _compat.dce(jax.make_jaxpr(f)(0.5).jaxpr, [True])
-    assert [e.primitive.name for e in kept.eqns] == ["sin", "save_inter", "mul"] and used == [True]
+    assert [e.primitive.name for e in kept.eqns] == ["cos", "save_inter", "mul"] and used == [True]
+    assert kept.eqns[1].params["meta"].name == "live"
 
 
 def test_an_unpulled_mark_under_checkpoint_is_not_replayed():
