@@ -27,6 +27,9 @@ class _Planted(eqx.Module):
                 "stx.plant(fn)(values, *args) takes a dict of values first, keyed as pull "
                 f"returns them; got {type(values).__name__}."
             )
+        # A reduced entry, as `pull` returned it (its `Key` knows), sums up many values: it is
+        # not one value of the program, and giving it back plants nothing.
+        values = {k: v for k, v in values.items() if getattr(k, "reduce", None) is None}
         pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values))
         return call_pulled(pulled, args, kwargs, values)[0]
 
@@ -49,6 +52,13 @@ def plant(fn: Callable) -> Callable:
     * a function of the old value (a hook, compared by identity: define it once), applied in
       every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d` steers.
 
+    What `pull` returned can be given back whole: `plant(fn)(pull(fn)(*args)[1], *args)`
+    equals `fn(*args)`. A marked Python number is planted as a weakly typed array (as
+    `jax.jit` takes a Python number argument); the other leaves that are not arrays (a
+    string, `None`) must be given as `pull` returned them. The reduced entries `pull` returned
+    (their keys have `key.reduce`) sum up many values, not one value of the program: given
+    back, they plant nothing (a name saved with `reduce=` given as a plain string is an error).
+
     In `cond`/`switch`, a replacement applies in the branch that runs. Under an inner `grad`,
     the primal is replaced and derivatives flow through the replacement. Inside a
     custom-derivative function, a planted value changes the function, so it is differentiated
@@ -62,8 +72,8 @@ def plant(fn: Callable) -> Callable:
 
     Raises:
         PlantError: a key that names no mark (the error lists the marks, with their sites), a
-            replacement or hook result of the wrong shape, dtype or structure, or a name saved
-            with `reduce=`.
+            replacement or hook result of the wrong shape, dtype or structure, a leaf that is
+            not an array given another value than the mark's, or a name saved with `reduce=`.
 
     Examples:
         >>> import jax.numpy as jnp, statax as stx
@@ -78,6 +88,23 @@ def plant(fn: Callable) -> Callable:
     if not callable(fn):
         raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
     return _Planted(fn)
+
+
+def _differentiable(value) -> bool:
+    """Whether every leaf of a marked value (as `eval_shape` of `pull` gives it) is an inexact
+    array or a Python float or complex (planted as a weakly typed array)."""
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(
+        type(x) in (float, complex)
+        or (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
+        for x in leaves
+    )
+
+
+def _zero(leaf):
+    if type(leaf) in (float, complex):
+        return jnp.zeros_like(jnp.asarray(leaf))  # weakly typed, as the planted mark
+    return jnp.zeros(leaf.shape, leaf.dtype)
 
 
 def grad_inters(
@@ -118,10 +145,9 @@ def grad_inters(
     def run(*args, **kwargs):
         shapes = eqx.filter_eval_shape(pull(fn, only=only), *args, **kwargs)[1]
         zeros = {
-            key: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+            key: jax.tree.map(_zero, shape)
             for key, shape in shapes.items()
-            if key.reduce is None  # one occurrence, not a reduced name
-            and all(jnp.issubdtype(s.dtype, jnp.inexact) for s in jax.tree.leaves(shape))
+            if key.reduce is None and _differentiable(shape)  # one occurrence, not reduced
         }
 
         def of(perturbations, *args):

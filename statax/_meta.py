@@ -64,7 +64,8 @@ def split(value: Any) -> tuple[Any, tuple[Any, ...], list]:
     return treedef, static, [x for x, a in zip(leaves, is_array, strict=True) if a]
 
 
-def _unwrap(leaf: Any) -> Any:
+def unwrap(leaf: Any) -> Any:
+    """A static leaf as the user gave it (`Static` holds the unhashable ones)."""
     return leaf.value if isinstance(leaf, Static) else leaf
 
 
@@ -118,7 +119,7 @@ class StateMeta:
     def unflatten(self, arrays: Sequence[Any]) -> Any:
         """Rebuild the saved pytree from its array leaves."""
         arrays = iter(arrays)
-        leaves = [next(arrays) if s is ARRAY else _unwrap(s) for s in self.static_leaves]
+        leaves = [next(arrays) if s is ARRAY else unwrap(s) for s in self.static_leaves]
         if next(arrays, None) is not None:
             raise ValueError(f"too many array leaves for {self.name!r}")
         return jax.tree_util.tree_unflatten(self.treedef, leaves)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import PlantError
-from ._meta import ARRAY, StateMeta, keys_of
+from ._meta import ARRAY, StateMeta, keys_of, unwrap
 from ._primitive import INPUT, save_inter_p
 
 __all__ = ["Add", "Planting", "feed"]
@@ -162,6 +162,29 @@ def feed(
     return out
 
 
+def _array_leaves(key, meta, leaves: list, static: tuple) -> list:
+    """The leaves of a replacement where the marked value has arrays. Its other leaves (a
+    string, `None`) are not planted: they must be what the mark holds, as `pull` returns it."""
+    out = []
+    for x, s in zip(leaves, static, strict=True):
+        if s is ARRAY:
+            out.append(x)
+        elif not (x is s or x is unwrap(s) or _same(x, unwrap(s))):
+            raise PlantError(
+                f"stx.plant: the replacement for {key!r} (save_inter at {meta.location}) has "
+                f"{x!r} where the marked value has {unwrap(s)!r}, which is not an array and "
+                "cannot be planted. Pass the value pull returned there."
+            )
+    return out
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an array, an unusual __eq__: not the same
+        return False
+
+
 def _replacement(key, meta, replacement, avals) -> list:
     if replacement is None:
         return [np.zeros(a.shape, a.dtype) for a in avals]
@@ -173,6 +196,8 @@ def _replacement(key, meta, replacement, avals) -> list:
             f"structure {treedef}; the marked value has {value_treedef}."
         )
     out = []
+    static = meta.static_leaves[1:]  # the value's (after the choice)
+    leaves = _array_leaves(key, meta, leaves, static)
     for x, aval in zip(leaves, avals, strict=True):
         x = jnp.asarray(x) if not isinstance(x, (int, float, complex)) else x
         shape = jnp.shape(x)

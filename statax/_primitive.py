@@ -161,15 +161,29 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         outs = _stage(arrays, meta, IDLE)
         return value if outs is arrays else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
-    if planting is not None and name in planting.names and arrays:
-        arrays = planting.plant(meta, arrays, value)
-        value = meta.unflatten(arrays)
+    if planting is not None and name in planting.names:
+        if any(type(leaf) in _NUMBERS for leaf in meta.static_leaves):
+            # `pull` returns a Python number as it is; planted, it is a weakly typed array
+            # (as `jax.jit` takes a Python number argument), so that it can take a value in.
+            value = jax.tree_util.tree_map(_as_array, value)
+            treedef, static, arrays = split(value)
+            meta = StateMeta(name, treedef, static, meta.location, reduce=reduce)
+        if arrays:
+            arrays = planting.plant(meta, arrays, value)
+            value = meta.unflatten(arrays)
     status = COLLECTING
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
     if selection is not None and not selection(meta):
         status = INERT
     outs = _bind(arrays, meta, status)
     return value if outs is arrays else meta.unflatten(outs)
+
+
+_NUMBERS = (int, float, complex)  # `bool` leaves are flags, not values: not planted
+
+
+def _as_array(leaf):
+    return jnp.asarray(leaf) if type(leaf) in _NUMBERS else leaf
 
 
 def _claims(collector: Collector | None) -> bool:

@@ -3,6 +3,7 @@
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,6 +237,57 @@ def test_composes_with_pull_in_both_orders():
 def test_round_trip_on_the_readme_model():
     out, inters = stx.pull(layers)(X)
     np.testing.assert_array_equal(stx.plant(layers)(inters, X), out)
+
+
+class Static(eqx.Module):
+    w: jax.Array
+    act: str = eqx.field(static=True)
+
+
+def every_kind_of_mark(x):
+    """A mark of each kind of value and place: planted back as pull returns them, nothing
+    changes."""
+    m = stx.save_inter
+    y = m(10.0, name="float") * m(3, name="int") * x  # Python numbers
+    y = y + m(np.float32(0.5), name="numpy")
+    y = y + m({"a": x, "s": "tag", "n": None, "k": 2.0}, name="tree")["a"]
+    y = y + m(Static(x, "tanh"), name="module").w
+    y = y + m(x, name="summed", reduce="sum") + m(x * 2, name="summed", reduce="sum")
+    y = lax.scan(lambda c, a: (m(c * a, name="scan"), None), y, jnp.arange(1.0, 3.0))[0]
+    y = lax.cond(y[0] > 0, lambda v: m(v + 1, name="then"), lambda v: m(v - 1, name="else"), y)
+
+    def body(carry):
+        i, v = carry
+        return i + 1, m(v * 0.5, name="while")
+
+    y = lax.while_loop(lambda c: c[0] < 3, body, (0, y))[1]
+    return jax.vmap(lambda v: m(jnp.sin(v), name="vmapped"))(y)
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_planting_what_pull_returned_changes_nothing_for_every_kind_of_mark(wrap):
+    f = wrap(every_kind_of_mark)
+    out, inters = stx.pull(f)(X)
+    assert inters["float_0"] == 10.0 and inters["int_0"] == 3
+    np.testing.assert_array_equal(stx.plant(f)(inters, X), f(X))
+    np.testing.assert_array_equal(stx.plant(f)(inters, X), out)
+
+
+def test_python_numbers_are_planted_and_differentiated_as_jit_takes_them():
+    def f(x):
+        return stx.save_inter(10.0, name="y") * x + stx.save_inter({"k": 3, "s": "tag"}, name="t")["k"]  # fmt: skip  # noqa: E501
+
+    def by_hand(y, k, x):
+        return y * x + k
+
+    assert_tree_allclose(stx.plant(f)({"y_0": 5.0}, X), by_hand(5.0, 3, X))
+    assert_tree_allclose(stx.plant(f)({"y": jnp.float32(-1.0)}, X), by_hand(-1.0, 3, X))
+    assert_tree_allclose(stx.plant(f)({"t_0": {"k": 7, "s": "tag"}}, X), by_hand(10.0, 7, X))
+    with pytest.raises(stx.PlantError, match=r"has 'other' where the marked value has 'tag'"):
+        stx.plant(f)({"t_0": {"k": 7, "s": "other"}}, X)
+    value, grads = stx.grad_inters(lambda x: jnp.sum(f(x)))(X)
+    assert set(grads) == {"y_0"}  # `t_0` holds an int and a string: nothing to differentiate
+    assert_tree_allclose(grads["y_0"], jax.grad(lambda y: jnp.sum(by_hand(y, 3, X)))(10.0))
 
 
 # ---- bad input -------------------------------------------------------------------------------
