@@ -39,6 +39,7 @@ __all__ = [
     "SAVE_EFFECT",
     "SCOPE",
     "SELECTION",
+    "DIFFERENTIATING",
     "SHARD_MAP_PRIMITIVE",
     "STAGED_TRACER",
     "STATEFUL",
@@ -68,6 +69,7 @@ __all__ = [
     "dce",
     "debug_info",
     "defines_nothing",
+    "differentiated",
     "eager",
     "extend_debug_info",
     "hi_expand",
@@ -211,6 +213,30 @@ STATEFUL = jax_config.string_or_object_state(
     "Internal to statax: the state passed to the statax.stateful tracing.",
     include_in_trace_context=True,
 )
+
+
+# Whether the `pull` tracing has inputs that are being differentiated (`jax.jvp(pull(f))`,
+# `jax.grad(pull(f))`): then the rules of custom derivatives run, and their marks are keys.
+# Part of the trace context, so that the trace made for one is not used for the other.
+DIFFERENTIATING = jax_config.bool_state(
+    "statax_differentiating",
+    False,
+    "Internal to statax: true while statax.pull traces a function whose inputs are "
+    "differentiated.",
+    include_in_trace_context=True,
+)
+
+_DIFFERENTIATION_TRACERS = (ad.JVPTracer, ad.LinearizeTracer)  # JAX 0.8 -- 0.12
+
+
+def differentiated(x: Any) -> bool:
+    """Whether `x` is a tracer of a differentiation (`jvp`, `linearize`, and so `grad`), maybe
+    under other transformations (a `vmap` of it: a tracer whose `val` is one)."""
+    while isinstance(x, core.Tracer):
+        if isinstance(x, _DIFFERENTIATION_TRACERS):
+            return True
+        x = getattr(x, "val", None)
+    return False
 
 
 def trace_context() -> tuple:

@@ -262,7 +262,13 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
         if trace is not None and _compat.PLANTING.value is None:
             return _inline(trace, call, leaves, treedef, only, ran)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
-    with contextlib.nullcontext() if planting is None else _compat.PLANTING(planting):
+    # Where the inputs are differentiated, the rules of custom derivatives run: their marks
+    # are keys (see `handlers.custom_derivatives`); where they are not, there are none.
+    differentiating = any(map(_compat.differentiated, leaves))
+    with (
+        contextlib.nullcontext() if planting is None else _compat.PLANTING(planting),
+        _compat.DIFFERENTIATING(differentiating),
+    ):
         entry, dynamic = _entry(root, call, leaves, treedef, only)
     if eager and _one_jit(entry):
         _compile(root, call, only, ran)

@@ -195,7 +195,11 @@ def _exposer(primitive, rule):
         def original(*args):
             return tuple(bind(primitive, args, kept))
 
-        extra = (marks.jaxpr, marks.metas) if marks.metas else None
+        # The rule's own marks are keys where the rule runs: the `pull` has differentiated
+        # inputs. Where it has none, the rule runs only if a differentiation outside the
+        # program `pull` returns (`jax.jvp(jax.jit(pull(f)))`) calls it: they stay inert.
+        differentiating = _compat.DIFFERENTIATING.value
+        extra = (marks.jaxpr, marks.metas) if marks.metas and differentiating else None
         return pulled_with_rule(original, primal, args, rule=rule, extra=extra)
 
     return exposer

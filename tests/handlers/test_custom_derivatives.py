@@ -52,11 +52,11 @@ clip_grad.defvjp(_fwd, _bwd)
 
 
 def test_custom_vjp_values_of_primal_fwd_and_bwd():
-    # fwd's own mark has its key in every order: zeros where fwd does not run (undifferentiated,
-    # as a cond branch not taken), its value where it does.
+    # fwd's own mark has a key where fwd runs (the pull's inputs are differentiated), and none
+    # where it does not: a pull returns what ran.
     expected = {"primal_0": jnp.tanh(X), "fwd_0": jnp.tanh(X) * 10}
     out, inters = stx.pull(clip_grad)(X)
-    assert_tree_allclose(inters, {"primal_0": jnp.tanh(X), "fwd_0": jnp.zeros(3)})
+    assert_tree_allclose(inters, {"primal_0": jnp.tanh(X)})
     assert_tree_allclose(stx.pull(jax.jit(clip_grad))(X)[1], inters)
     # Under an inner grad: what JAX runs, fwd and bwd.
     grad, inters = stx.pull(jax.grad(clip_grad))(X)
@@ -70,9 +70,15 @@ def test_custom_vjp_values_of_primal_fwd_and_bwd():
 
 def test_custom_vjp_under_vmap_both_orders():
     xs = jnp.stack([X, X * 2])
-    expected = {"primal_0": jnp.tanh(xs), "fwd_0": jnp.zeros_like(xs)}
+    expected = {"primal_0": jnp.tanh(xs)}
     assert_tree_allclose(stx.pull(jax.vmap(clip_grad))(xs)[1], expected)
     assert_tree_allclose(jax.vmap(stx.pull(clip_grad))(xs)[1], expected)
+    differentiated = {"primal_0": jnp.tanh(xs), "fwd_0": jnp.tanh(xs) * 10}
+    for fn in (jax.vmap(stx.pull(clip_grad)), stx.pull(jax.vmap(clip_grad))):
+        total = lambda xs: (lambda out, inters: (jnp.sum(out), inters))(*fn(xs))  # noqa: B023, E731
+        assert_tree_allclose(jax.grad(total, has_aux=True)(xs)[1], differentiated)
+    grads = jax.vmap(jax.grad(stx.pull(clip_grad), has_aux=True))(xs)
+    assert_tree_allclose(grads, (jnp.full_like(xs, 7.0), differentiated))
 
 
 def test_nested_pull_does_not_collect_custom_derivative_marks_twice():
@@ -111,9 +117,9 @@ def _rule_marked_jvp(primals, tangents):
 
 
 def rule_marked_ref(x):
-    """`rule_marked` by hand: the function, and its rule's mark, zero where the rule does not
-    run (undifferentiated, as a cond branch not taken)."""
-    return jnp.sin(x), {"x_0": jnp.zeros_like(x)}
+    """`rule_marked` by hand, undifferentiated: the rule does not run, and its mark has no key
+    (the function has no mark of its own)."""
+    return jnp.sin(x), {}
 
 
 def test_custom_jvp_rule_mark_in_both_orders_of_jvp():
@@ -123,11 +129,15 @@ def test_custom_jvp_rule_mark_in_both_orders_of_jvp():
     assert_tree_allclose((out, dout, inters), (x, 2 * t, {"x_0": 2 * x, "t_0": 3 * t}))
     # The other order: the rule's primal mark, with a zero tangent; the tangent's mark is a
     # derivative, which only a pull around the differentiation sees.
-    for g in (stx.pull(rule_marked), jax.jit(stx.pull(rule_marked))):
+    for g in (stx.pull(rule_marked), stx.pull(jax.jit(rule_marked))):
         (out, inters), (dout, dinters) = jax.jvp(g, (x,), (t,))
         assert_tree_allclose((out, dout), (x, 2 * t))
         assert_tree_allclose((inters, dinters), ({"x_0": 2 * x}, {"x_0": 0.0 * x}))
-    # Undifferentiated, the same keys; the rule does not run.
+    # A `jit` between the pull and the differentiation traces the pull before it is
+    # differentiated, as undifferentiated: the rule's marks have no key there.
+    (out, inters), _ = jax.jvp(jax.jit(stx.pull(rule_marked)), (x,), (t,))
+    assert_tree_allclose((out, inters), (x, {}))
+    # Undifferentiated, the rule does not run: no key.
     check_pull(rule_marked, rule_marked_ref, x, transforms=("plain", "jit", "vmap"))
 
 
@@ -178,7 +188,7 @@ def test_custom_jvp_rule_that_calls_its_function_repeats_no_mark():
     x, t = jnp.float32(0.3), jnp.float32(1.0)
     y = jnp.tanh(x + 1)
     expected = {"p_0": x + 1, "slope_0": 1 - y**2}
-    assert_tree_allclose(stx.pull(calls_itself)(x)[1], {"p_0": x + 1, "slope_0": 0.0})
+    assert_tree_allclose(stx.pull(calls_itself)(x)[1], {"p_0": x + 1})
     (_, inters), (_, dinters) = jax.jvp(stx.pull(calls_itself), (x,), (t,))
     assert_tree_allclose(inters, expected)
     assert_tree_allclose(dinters, {"p_0": 0.0, "slope_0": 0.0})

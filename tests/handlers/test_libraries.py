@@ -186,12 +186,12 @@ def test_optimistix_residual():
     a = jnp.linspace(-0.5, 0.5, 8)
     y, inters = stx.pull(newton)(a)
     np.testing.assert_allclose(y, jnp.arctanh(a), rtol=1e-5, atol=1e-6)
-    # r_0: the residual at the last Newton iterate evaluated. r_1, r_2: the residual at the
-    # root as optimistix's implicit-function JVP rule evaluates it, zeros unless differentiated
-    # (`pull` keys a rule's marks in every order, so that `jax.jvp(pull(newton))` has them).
-    assert set(inters) == {"r_0", "r_1", "r_2"}
+    # r_0: the residual at the last Newton iterate evaluated. optimistix's implicit-function
+    # JVP rule evaluates the residual again, but runs only where `newton` is differentiated:
+    # undifferentiated, the pull has no key for it.
+    assert set(inters) == {"r_0"}
+    assert set(stx.pull(jax.jit(newton))(a)[1]) == set(jax.jit(stx.pull(newton))(a)[1]) == {"r_0"}
     assert float(jnp.max(jnp.abs(inters["r_0"]))) < 1e-4
-    assert not jnp.any(inters["r_1"]) and not jnp.any(inters["r_2"])
     # As many residual evaluations compiled as unpulled: the rule's marks are not computed
     # where the rule does not run (its program is traced, for their types, and compiled away).
     assert count_ops(stx.pull(newton), a, op="tanh") == count_ops(newton, a, op="tanh")
@@ -200,9 +200,57 @@ def test_optimistix_residual():
         lambda a: (lambda out, inters: (jnp.sum(out), inters))(*stx.pull(newton)(a)), has_aux=True
     )(a)
     np.testing.assert_allclose(g, 1 / (1 - a**2), rtol=1e-4)
-    # Differentiated, the rule runs: its marks are the residual at the root.
+    # Differentiated, the rule runs: its marks are the residual at the root, in every order.
+    assert set(inters) == {"r_0", "r_1", "r_2"}
     for key in ("r_1", "r_2"):
         np.testing.assert_allclose(inters[key], jnp.tanh(y) - a, atol=1e-6)
+    (_, jvp_inters), _ = jax.jvp(stx.pull(newton), (a,), (jnp.ones_like(a),))
+    _, inside = stx.pull(lambda a: jax.jvp(newton, (a,), (jnp.ones_like(a),)))(a)
+    assert set(jvp_inters) == set(inside) == {"r_0", "r_1", "r_2"}
+    assert_tree_allclose(jvp_inters, inside, atol=1e-6)
+
+
+def quadratic(y, a):
+    return stx.save_inter(jnp.sum((y - a) ** 2), name="f")
+
+
+def fixed_point(y, a):
+    return stx.save_inter(0.5 * (y + a), name="g")
+
+
+def least_squares(y, a):
+    return stx.save_inter(y - a, name="res")
+
+
+OPTIMISTIX = {
+    "BFGS": lambda a: optx.minimise(quadratic, optx.BFGS(rtol=1e-6, atol=1e-6), a * 0, args=a),
+    "NCG": lambda a: optx.minimise(
+        quadratic, optx.NonlinearCG(rtol=1e-6, atol=1e-6), a * 0, args=a
+    ),
+    "GaussNewton": lambda a: optx.least_squares(
+        least_squares, optx.GaussNewton(rtol=1e-6, atol=1e-6), a * 0, args=a
+    ),
+    "FixedPoint": lambda a: optx.fixed_point(
+        fixed_point, optx.FixedPointIteration(rtol=1e-6, atol=1e-6), a * 0, args=a
+    ),
+}
+
+
+@pytest.mark.parametrize("solve", OPTIMISTIX.values(), ids=OPTIMISTIX)
+def test_optimistix_solvers_key_their_implicit_rule_only_where_it_runs(solve):
+    a = jnp.linspace(-0.5, 0.5, 4)
+    run = lambda a: solve(a).value  # noqa: E731
+    y, inters = stx.pull(run)(a)
+    np.testing.assert_allclose(y, a, atol=1e-4)
+    (name,) = {key.rsplit("_", 1)[0] for key in inters}
+    assert list(inters) == [f"{name}_0"]  # the last evaluation; the rule did not run
+    _, differentiated = jax.grad(
+        lambda a: (lambda out, inters: (jnp.sum(out), inters))(*stx.pull(run)(a)), has_aux=True
+    )(a)
+    assert len(differentiated) > 1 and set(inters) < set(differentiated)
+    by_hand = {"f": quadratic, "g": fixed_point, "res": least_squares}[name](y, a)
+    for key in sorted(differentiated)[1:]:  # the rule evaluates the function at the solution
+        np.testing.assert_allclose(differentiated[key], by_hand, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -236,3 +284,30 @@ def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint(adjoin
         np.testing.assert_array_equal(inters["evals"], [1 + 6 * 3, 1 + 6 * 20])
         assert inters["vf_0"].shape == (2, 2)  # (batch, *y's shape), for every adjoint
         np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
+
+
+def event_condition(t, y, args, **kwargs):
+    return stx.save_inter(y[0] - 0.5, name="ev")
+
+
+def solve_to_event(y0):
+    root_finder = optx.Newton(rtol=1e-6, atol=1e-6)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: -y), diffrax.Tsit5(), 0.0, 5.0, 0.1, y0,
+        event=diffrax.Event(event_condition, root_finder=root_finder),
+    )  # fmt: skip
+    return sol.ts[-1], sol.ys[-1]
+
+
+def test_diffrax_event_keys_its_root_finders_rule_only_where_it_runs():
+    y0 = jnp.array([1.0, 2.0])
+    (t, y), inters = stx.pull(solve_to_event)(y0)
+    np.testing.assert_allclose(t, jnp.log(2.0), rtol=1e-5)
+    assert set(inters) == {"ev_0", "ev_1", "ev_2"}  # what the solve and its root finder ran
+    _, differentiated = jax.grad(
+        lambda y0: (lambda out, inters: (out[0], inters))(*stx.pull(solve_to_event)(y0)),
+        has_aux=True,
+    )(y0)
+    assert set(differentiated) == {"ev_0", "ev_1", "ev_2", "ev_3", "ev_4"}
+    for key in ("ev_3", "ev_4"):  # the implicit rule, at the event: the condition is zero
+        np.testing.assert_allclose(differentiated[key], 0.0, atol=1e-5)
