@@ -90,16 +90,20 @@ def is_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
     """Whether a `scan` with this body and initial carry is a level of an
     `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
     over equinox's loop carry `(step, pred, prev_pred, *state)` (see
-    `loop_running`), whose `cond_fun` calls `unvmap_any`."""
-    return _loop_carry(init) and _calls(body.jaxpr, "unvmap_any")
+    `loop_running`), whose `cond_fun` calls `unvmap_any`. Differentiated (`pull(grad(f))`),
+    the loop is JAX's forward pass of it, whose dead-code elimination may drop `prev_pred`:
+    `(step, pred)` is what the loop needs to know which steps ran, and what it checks."""
+    return _loop_carry(init, prev=False) and _calls(body.jaxpr, "unvmap_any")
 
 
-def _loop_carry(init: Sequence[Any]) -> bool:
-    if len(init) < 3:
+def _loop_carry(init: Sequence[Any], prev: bool = True) -> bool:
+    """Whether `init` starts with equinox's `(step, pred, prev_pred)` (`prev=False`: with
+    `(step, pred)`)."""
+    if len(init) < 2 + prev:
         return False
-    step, pred, prev = init[:3]  # values or their types: both have a shape and a dtype
-    flags = all(a.shape == () and a.dtype == jnp.bool_ for a in (pred, prev))
-    return flags and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
+    step, *flags = init[: 2 + prev]  # values or their types: both have a shape and a dtype
+    flags_ok = all(a.shape == () and a.dtype == jnp.bool_ for a in flags)
+    return flags_ok and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
 
 
 def _calls(jaxpr: jex.Jaxpr, name: str) -> bool:

@@ -311,3 +311,25 @@ def test_diffrax_event_keys_its_root_finders_rule_only_where_it_runs():
     assert set(differentiated) == {"ev_0", "ev_1", "ev_2", "ev_3", "ev_4"}
     for key in ("ev_3", "ev_4"):  # the implicit rule, at the event: the condition is zero
         np.testing.assert_allclose(differentiated[key], 0.0, atol=1e-5)
+
+
+def test_a_bounded_loop_is_a_while_loop_in_every_order():
+    # diffrax's DirectAdjoint runs a "bounded" equinox loop: nested scans of conds, whose
+    # forward pass under `grad` has lost a carry to dead-code elimination. It is still a while
+    # loop: the last vector-field evaluation, of y's shape, whatever the order.
+    def loss(y0):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vector_field), diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=3.0,
+            adjoint=diffrax.DirectAdjoint(), saveat=diffrax.SaveAt(t1=True), max_steps=16,
+        )  # fmt: skip
+        return jnp.sum(sol.ys)
+
+    y0 = jnp.array([1.0, 2.0])
+    _, plain = stx.pull(loss)(y0)
+    grad, inside = stx.pull(jax.grad(loss))(y0)
+    outside_grad, outside = jax.grad(stx.pull(loss), has_aux=True)(y0)
+    assert {k: v.shape for k, v in inside.items()} == {"evals": (), "vf_0": (2,)}
+    assert_tree_allclose(inside, plain, rtol=1e-5)
+    assert_tree_allclose(outside, plain, rtol=1e-5)
+    assert_tree_allclose(grad, jax.grad(loss)(y0), rtol=1e-5)
+    assert_tree_allclose(outside_grad, grad, rtol=1e-5)
