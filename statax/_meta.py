@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 __all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of", "split"]
 
@@ -62,6 +63,14 @@ def split(value: Any) -> tuple[Any, tuple[Any, ...], list]:
     is_array = [eqx.is_array(leaf) for leaf in leaves]
     static = tuple(ARRAY if a else hashable(x) for x, a in zip(leaves, is_array, strict=True))
     return treedef, static, [x for x, a in zip(leaves, is_array, strict=True) if a]
+
+
+NUMBERS = (int, float, complex)  # Python numbers (`bool`s are flags, not numbers, here)
+
+
+def number_as_array(leaf: Any) -> Any:
+    """A Python number as `jax.jit` takes one: a weakly typed array; any other leaf as it is."""
+    return jnp.asarray(leaf) if type(leaf) in NUMBERS else leaf
 
 
 def unwrap(leaf: Any) -> Any:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from . import _compat
-from ._meta import ARRAY, StateMeta, split
+from ._meta import ARRAY, NUMBERS, StateMeta, number_as_array, split
 from ._reduce import MODES
 
 # A mark's `status` param, one of three:
@@ -162,10 +162,10 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         return value if outs is arrays else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and name in planting.names:
-        if any(type(leaf) in _NUMBERS for leaf in meta.static_leaves):
+        if any(type(leaf) in NUMBERS for leaf in meta.static_leaves):
             # `pull` returns a Python number as it is; planted, it is a weakly typed array
             # (as `jax.jit` takes a Python number argument), so that it can take a value in.
-            value = jax.tree_util.tree_map(_as_array, value)
+            value = jax.tree_util.tree_map(number_as_array, value)
             treedef, static, arrays = split(value)
             meta = StateMeta(name, treedef, static, meta.location, reduce=reduce)
         if arrays:
@@ -177,13 +177,6 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         status = INERT
     outs = _bind(arrays, meta, status)
     return value if outs is arrays else meta.unflatten(outs)
-
-
-_NUMBERS = (int, float, complex)  # `bool` leaves are flags, not values: not planted
-
-
-def _as_array(leaf):
-    return jnp.asarray(leaf) if type(leaf) in _NUMBERS else leaf
 
 
 def _claims(collector: Collector | None) -> bool:

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from . import _compat, _pull
 from ._errors import StateError, StatefulWarning
 from ._interpreter import inert, zero_tangent
-from ._meta import ARRAY, StateMeta, split
+from ._meta import ARRAY, StateMeta, number_as_array, split
 from ._primitive import _caller_location, batch_first
 from ._tracebacks import boundary
 
@@ -142,26 +142,39 @@ def get_state(name: str, init: Callable[[], Any] | None = None) -> Any:
     else:
         (meta, avals), operands = spec, []
         if default is not None:
-            _check_given(default[0], [jax.typeof(x) for x in default[1]], meta, avals)
+            default_avals = [jax.typeof(x) for x in default[1]]
+            if _check_given(default[0], default_avals, meta, avals):
+                # Per example, as `stateful` returned it from under a `vmap`: read as
+                # `init()`'s kind, which a read under the `vmap` batches to the value's.
+                meta, avals = default[0], tuple(default_avals)
         meta = dataclasses.replace(meta, location=location)
     outs = get_state_p.bind(*operands, meta=meta, avals=avals)
     return meta.unflatten(outs)
 
 
-def _check_given(expected: StateMeta, expected_avals, given: StateMeta, given_avals) -> None:
+def _check_given(expected: StateMeta, expected_avals, given: StateMeta, given_avals) -> bool:
+    """Check a value passed in against what `init()` returns; whether it is per example: its
+    arrays have the same leading axes more (a `stateful` with an inner `vmap` returns such
+    state), which a read under that `vmap` reads per example."""
     # A non-array leaf passed in where `init()` has an array is passed through as it is (a
     # Python number); arrays must agree in shape and dtype.
     ok = expected.treedef == given.treedef
+    extra = set()
     if ok:
         exp, got = iter(expected_avals), iter(given_avals)
         for e, g in zip(expected.static_leaves, given.static_leaves, strict=True):
             if e is ARRAY and g is ARRAY:
                 a, b = next(exp), next(got)
-                ok = ok and a.shape == b.shape and a.dtype == b.dtype
+                k = len(b.shape) - len(a.shape)
+                ok = ok and k >= 0 and b.shape[k:] == a.shape and a.dtype == b.dtype
+                extra.add(b.shape[:k])
             elif e is ARRAY:
                 next(exp)
             elif g is ARRAY:
                 next(got)
+        ok = ok and len(extra) <= 1  # one batch shape for every leaf
+    if ok:
+        return bool(extra) and extra != {()}
     if not ok:
         raise StateError(
             f"The state {given.name!r} passed in is {_kind(given, given_avals)}, but get_state at "
@@ -209,7 +222,9 @@ def stateful(fn: Callable, output_unchanged: bool = False) -> Callable:
 
     Returns:
         `g(*args, state=None, **kwargs) -> (out, new_state)`. `state` is a dict of values by
-        name (any pytrees; array leaves traced, others passed through). `new_state` holds the
+        name (any pytrees; array leaves and Python numbers traced, as `jax.jit` traces them,
+        others passed through; per-example state returned from under an inner `vmap` may be
+        passed back). `new_state` holds the
         final value of every name that `fn` sets, in the order first set. The same shapes do
         not trace `fn` again. It composes with `jit`, `grad` (`has_aux=True` outside), `vmap`,
         `pull` and `plant`, in either order.
@@ -244,7 +259,10 @@ def _call(fn, output_unchanged, args, kwargs, state):
         raise TypeError(f"stateful's state= takes a dict of values by name, got {state!r}.")
     specs, state_leaves = [], []
     for name in sorted(state):
-        meta, arrays = _split(state[name], name, "state=")
+        # A Python number is traced, as `jax.jit` traces a Python number argument: weakly
+        # typed, so that it takes the type of what it meets, in every construct.
+        value = jax.tree_util.tree_map(number_as_array, state[name])
+        meta, arrays = _split(value, name, "state=")
         specs.append((name, meta, tuple(jax.typeof(x) for x in arrays)))
         state_leaves.extend(arrays)
     given = Given(tuple(specs))
@@ -453,8 +471,8 @@ def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
     if not ok:
         held = _kind(slot.meta, [jax.typeof(x) for x in slot.leaves])
         hint = (
-            " A value set under a vmap is per example: read it inside a vmap, or apply the vmap "
-            "outside stateful, jax.vmap(stx.stateful(f))."
+            " A value set under a vmap (or passed in from one) is per example: read it inside a "
+            "vmap, or apply the vmap outside stateful, jax.vmap(stx.stateful(f))."
             if any(len(jnp.shape(x)) > len(a.shape) for x, a in zip(slot.leaves, avals))
             else ""
         )

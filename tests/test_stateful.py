@@ -97,9 +97,17 @@ def test_a_name_passed_in_and_never_used_is_an_error_naming_it():
         stx.stateful(f)(1.0, state={"w": 1.0})
 
 
-@pytest.mark.parametrize("bad", [jnp.ones(3), jnp.int32(3)])
-def test_a_state_of_the_wrong_kind_names_the_state_and_both_types(bad):
-    with pytest.raises(stx.StateError, match=r"'y' passed in is .*expects float32\[\]") as info:
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (jnp.ones(3, jnp.int32), r"'y' passed in is int32\[3\].*expects float32\[\]"),
+        (jnp.int32(3), r"'y' passed in is int32\[\].*expects float32\[\]"),
+        # Per example (as from under a vmap): readable under a vmap only.
+        (jnp.ones(3), r"'y' holds float32\[3\] .* as float32\[\].*passed in from one\) is per"),
+    ],
+)
+def test_a_state_of_the_wrong_kind_names_the_state_and_both_types(bad, says):
+    with pytest.raises(stx.StateError, match=says) as info:
         stx.stateful(f)(1.0, state={"y": bad})
     assert "test_stateful.py" in str(info.value)  # where the get_state is
 
@@ -528,3 +536,55 @@ def test_custom_vjp_sets_state_and_keeps_its_derivative_outside():
     assert_tree_allclose((out, new), (np.sin(0.5), {"cv": 1.0}))
     grad, new = jax.grad(stx.stateful(custom_v), has_aux=True)(jnp.float32(0.5))
     assert_tree_allclose((grad, new), (np.cos(0.5), {"cv": 1.0}))
+
+
+# ---- state passed back in ------------------------------------------------------------------
+
+
+def running_sum(xs):
+    def per_example(x):
+        total = stx.get_state("total", init=lambda: jnp.zeros(()))
+        stx.set_state(total + x, "total")
+        return x * 2
+
+    return jax.vmap(per_example)(xs)
+
+
+def test_per_example_state_from_an_inner_vmap_is_passed_back_in():
+    # Running statistics across calls: what one call returns, per example, the next takes in.
+    run = jax.jit(stx.stateful(running_sum))
+    state = None
+    for step in range(3):
+        xs = jnp.arange(3.0) + step
+        _, state = run(xs, state=state) if state is not None else run(xs)
+    assert_tree_allclose(state, {"total": jnp.arange(3.0) * 3 + 3.0})  # by hand: 0+1+2 more
+    with pytest.raises(stx.StateError, match=r"holds float32\[3\].*per example: read it inside"):
+        stx.stateful(lambda x: stx.get_state("total", init=lambda: jnp.zeros(())))(
+            1.0, state=state
+        )
+
+
+def set_in_a_branch(x, p):
+    lax.cond(p, lambda: stx.set_state(x * 2.0, "s"), lambda: x)
+    return x
+
+
+def get_then_set_under_checkpoint(x):
+    def inner(x):
+        stx.set_state(stx.get_state("s") * x, "s")
+        return x
+
+    return jax.checkpoint(inner)(x)
+
+
+def test_a_python_number_in_state_is_taken_as_jit_takes_one():
+    x = jnp.float32(3.0)
+    for p, expected in ((True, 6.0), (False, 1.0)):  # by hand: the branch that ran sets it
+        out, state = stx.stateful(set_in_a_branch)(x, p, state={"s": 1.0})
+        assert_tree_allclose((out, state), (x, {"s": jnp.asarray(expected, jnp.float32)}))
+    out, state = stx.stateful(get_then_set_under_checkpoint)(x, state={"s": 2.0})
+    assert_tree_allclose((out, state), (x, {"s": jnp.float32(6.0)}))
+    grad = jax.grad(
+        lambda x: stx.stateful(get_then_set_under_checkpoint)(x, state={"s": 2.0})[1]["s"]
+    )(x)
+    assert_tree_allclose(grad, jnp.float32(2.0))  # d(2 x)/dx
