@@ -807,6 +807,11 @@ def call_jaxpr(params: dict):
     return params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
 
 
+def checkpoint_options(params: dict) -> dict:
+    """`jax.checkpoint`'s keyword arguments that a `checkpoint` equation was made with."""
+    return {"prevent_cse": params.get("prevent_cse", True), "policy": params.get("policy")}
+
+
 def call_params(params: dict, jaxpr) -> dict:
     key = "call_jaxpr" if "call_jaxpr" in params else "jaxpr"
     return dict(params, **{key: jaxpr})

@@ -24,6 +24,7 @@ outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -104,9 +105,16 @@ Handler: TypeAlias = Callable[[jex.JaxprEqn], Rewrite]
 _HANDLERS: dict[jex.Primitive, Handler] = {}
 _FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
 # Handlers for families of primitives, recognised by their equations: (matches, handler, finder).
-_FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None]] = []
-# Primitives whose batching rule an exposer replaced: primitive -> JAX's own rule.
-_REBATCHED: dict[jex.Primitive, Callable | None] = {}
+_FAMILIES: list[
+    tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None, Callable | None]
+] = []
+# How `stateful` threads state through a primitive, where its handler module says (see
+# `register_handler`'s `thread_state`).
+_STATE_RULES: dict[jex.Primitive, tuple[Callable | None, Callable | None]] = {}
+# The one owner of statax's batching rules for JAX's primitives: primitive -> _Batching. An
+# exposer (`register_exposer`) and guards (`register_batching_guard`) share one rule, installed
+# once and JAX's own given back when neither is left.
+_BATCHING: dict[jex.Primitive, _Batching] = {}
 _ON_FORGET: list[Callable[[], None]] = []
 
 
@@ -115,6 +123,8 @@ def register_handler(
     handler: Handler | None = None,
     *,
     find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
+    thread_state: Callable | None = None,
+    runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
 ) -> Handler | Callable[[Handler], Handler]:
     """Teach `pull` to see inside a higher-order primitive.
 
@@ -135,6 +145,19 @@ def register_handler(
             (so `pull` cannot look for marks in them): `find_saves(eqn)` returns the metas
             of the marks the equation holds. By default `pull` looks in the jaxprs of
             `eqn.params`.
+        thread_state: how `stateful` threads named state through an equation of
+            `primitive` that reads or sets it: `thread_state(eqn, invals, threading) -> outs`
+            evaluates the equation on `invals` in the current trace, threading the state of
+            `threading` (a `statax.extend.Threading`) through its functions. By default
+            state is threaded on the handler's own contract, as values that come in
+            (`take`) and go out (`mark`), each of the primitive's functions threaded on its
+            own: right for a primitive that calls its functions once, as a call does. A
+            loop (state carried) or a branch (state selected) needs a rule.
+        runs: for a primitive whose functions are not jaxprs in its params (an equinox
+            filter primitive runs Python functions it holds): `runs(eqn)` traces what an
+            equation runs, as a jaxpr of the equation's inputs and outputs (or `None`). Under
+            `stateful` the state its functions read and set shows there, and an equation
+            whose functions touch state is evaluated by threading that jaxpr (as a call).
 
     Returns:
         The handler (or the decorator).
@@ -150,8 +173,11 @@ def register_handler(
             raise TypeError(f"a handler must be callable, got {h!r}")
         _HANDLERS[primitive] = h
         _FINDERS.pop(primitive, None)
+        _STATE_RULES.pop(primitive, None)
         if find_saves is not None:
             _FINDERS[primitive] = find_saves
+        if thread_state is not None or runs is not None:
+            _STATE_RULES[primitive] = (thread_state, runs)
         _forget_rewrites()
         return h
 
@@ -163,8 +189,10 @@ def unregister_handler(primitive: jex.Primitive) -> None:
     `pull` then treats its equations as it treats any primitive without one."""
     _HANDLERS.pop(primitive, None)
     _FINDERS.pop(primitive, None)
-    if primitive in _REBATCHED:
-        _compat.set_batching_rule(primitive, _REBATCHED.pop(primitive))
+    _STATE_RULES.pop(primitive, None)
+    if primitive in _BATCHING:
+        _BATCHING[primitive].exposer = None
+        _settle_batching(primitive)
     _forget_rewrites()
 
 
@@ -173,11 +201,14 @@ def register_family(
     handler: Handler,
     *,
     find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
+    thread_state: Callable | None = None,
+    runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
 ) -> None:
     """`register_handler` for a family of primitives that is open-ended (every equinox filter
-    primitive, whichever library defines it): `handler` (and `find_saves`) serve every
-    equation of a primitive with no handler of its own for which `matches(eqn)` is true."""
-    _FAMILIES.append((matches, handler, find_saves))
+    primitive, whichever library defines it): `handler` (and `find_saves`, `thread_state`,
+    `runs`) serve every equation of a primitive with no handler of its own for which
+    `matches(eqn)` is true."""
+    _FAMILIES.append((matches, handler, find_saves, (thread_state, runs)))
     _forget_rewrites()
 
 
@@ -205,9 +236,27 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
     handler = _HANDLERS.get(eqn.primitive)
     if handler is not None:
         return handler, _FINDERS.get(eqn.primitive)
-    for matches, handler, finder in _FAMILIES:
+    for matches, handler, finder, _ in _FAMILIES:
         if matches(eqn):
             return handler, finder
+    return None, None
+
+
+def handler_for(eqn: jex.JaxprEqn) -> Handler | None:
+    """`eqn`'s handler: its primitive's, else its family's, else `None`."""
+    return _rules_for(eqn)[0]
+
+
+def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None]:
+    """`(thread_state, runs)` for `eqn` (see `register_handler`): its primitive's, else its
+    family's, else `(None, None)`."""
+    if eqn.primitive in _STATE_RULES:
+        return _STATE_RULES[eqn.primitive]
+    if eqn.primitive in _HANDLERS:
+        return None, None
+    for matches, _, _, rules in _FAMILIES:
+        if matches(eqn):
+            return rules
     return None, None
 
 
@@ -305,6 +354,30 @@ def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
 _IMPLS: OrderedDict = OrderedDict()
 
 
+# What an impl that cannot be traced abstractly raises (it needs concrete values): its rules
+# cannot hold marks that a trace could see. Anything else is raised.
+_NOT_ABSTRACT = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    NotImplementedError,
+)
+
+
+def trace_impl(eqn: jex.JaxprEqn, impl: Callable | None = None) -> jex.ClosedJaxpr | None:
+    """`eqn`'s primitive's impl rule (or `impl`, one of its kind), traced at the equation's
+    input types in the current context, or `None` where it cannot be traced abstractly."""
+    try:
+        return _compat.trace(
+            lambda *args: _compat.run_impl(eqn, args, impl),
+            [x.aval for x in eqn.invars],
+            name=str(eqn.primitive),
+        )
+    except _NOT_ABSTRACT:
+        return None
+
+
 def traced_impl(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     """`eqn`'s primitive's impl rule traced at its input types, with marks collectable (as a
     `pull` traces them), or `None` where the impl cannot be traced abstractly. For primitives
@@ -313,15 +386,8 @@ def traced_impl(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     hit = _IMPLS.get(key)
     if hit is not None and hit[0] is eqn:
         return hit[1]
-    try:
-        with _compat.PULLING(True):
-            closed = _compat.trace(
-                lambda *args: _compat.run_impl(eqn, args, _equinox.impl_of(eqn)),
-                [x.aval for x in eqn.invars],
-                name=str(eqn.primitive),
-            )
-    except Exception:  # not traceable abstractly: its rules cannot hold marks we could see
-        closed = None
+    with _compat.PULLING(True):
+        closed = trace_impl(eqn, _equinox.impl_of(eqn))
     _IMPLS[key] = (eqn, closed)
     if len(_IMPLS) > 256:
         _IMPLS.popitem(last=False)
@@ -673,7 +739,9 @@ def handler_from_exposer(exposer: Exposer) -> Handler:
     return handler
 
 
-def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
+def register_exposer(
+    primitive: jex.Primitive, exposer: Exposer, *, thread_state: Callable | None = None
+) -> None:
     """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
     primitive is batched where it holds marks (see `handler_from_exposer`).
 
@@ -682,16 +750,48 @@ def register_exposer(primitive: jex.Primitive, exposer: Exposer) -> None:
     `pull` traces, the exposer runs per example and is batched with JAX's own rules: the
     primitive inside holds no marks any more, so it is batched by its own rule, and the marks
     bound outside it by the mark's. Elsewhere JAX's rule runs untouched.
+
+    `thread_state` is `register_handler`'s.
     """
-    register_handler(primitive, handler_from_exposer(exposer))
-    original = _REBATCHED.setdefault(primitive, _compat.batching_rule(primitive))
+    register_handler(primitive, handler_from_exposer(exposer), thread_state=thread_state)
+    _batching(primitive).exposer = exposer
 
-    def rule(axis_data, args, dims, **params):
-        if not _params_hold_marks(params):
-            return original(axis_data, args, dims, **params)
-        return _compat.batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
 
-    _compat.set_batching_rule(primitive, rule)
+def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
+    """Run `guard(axis_data, dims, params)` before `primitive` is batched (it raises where the
+    batching would be wrong), whatever else batches it. Kept by `unregister_handler`."""
+    _batching(primitive).guards.append(guard)
+
+
+@dataclasses.dataclass
+class _Batching:
+    original: Callable | None  # JAX's own rule
+    exposer: Exposer | None = None
+    guards: list = dataclasses.field(default_factory=list)
+
+
+def _batching(primitive: jex.Primitive) -> _Batching:
+    entry = _BATCHING.get(primitive)
+    if entry is None:
+        entry = _BATCHING[primitive] = _Batching(_compat.batching_rule(primitive))
+
+        def rule(axis_data, args, dims, **params):
+            for guard in entry.guards:
+                guard(axis_data, dims, params)
+            exposer = entry.exposer
+            if exposer is None or not _params_hold_marks(params):
+                return entry.original(axis_data, args, dims, **params)
+            return _compat.batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
+
+        _compat.set_batching_rule(primitive, rule)
+    return entry
+
+
+def _settle_batching(primitive: jex.Primitive) -> None:
+    """Give JAX its own batching rule back where statax has nothing left to add."""
+    entry = _BATCHING[primitive]
+    if entry.exposer is None and not entry.guards:
+        _compat.set_batching_rule(primitive, _BATCHING.pop(primitive).original)
 
 
 def _params_hold_marks(params: dict) -> bool:

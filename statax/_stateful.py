@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -34,13 +35,22 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
-from jax.sharding import PartitionSpec
 
 from . import _compat, _pull
 from ._errors import StateError, StatefulWarning
-from ._interpreter import inert, zero_tangent
+from ._interpreter import (
+    handler_for,
+    inert,
+    map_jaxprs,
+    mark,
+    register_batching_guard,
+    split_leaves,
+    state_rules_for,
+    take,
+    zero_tangent,
+)
 from ._meta import ARRAY, StateMeta, number_as_array, split
-from ._primitive import _caller_location, batch_first
+from ._primitive import IDLE, _caller_location, batch_first, save_inter_p
 from ._tracebacks import boundary
 
 __all__ = ["get_state", "get_state_p", "set_state", "set_state_p", "stateful"]
@@ -293,9 +303,9 @@ def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unc
     out_info: list = []
     flat_fn = _pull.flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
-    with _compat.STATEFUL(given):
+    with _compat.STATEFUL(given):  # (Python functions a primitive runs are traced in it too)
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
-    names = _names(closed.jaxpr)
+        names = _names(closed.jaxpr)
     unused = [n for n, _, _ in given.specs if n not in names.reads and n not in names.writes]
     if unused:
         used = sorted({*names.reads, *names.writes})
@@ -388,7 +398,7 @@ def _names(jaxpr) -> _Names:
                 if old is None or meta.batch_ndim >= old[0].batch_ndim:
                     writes[meta.name] = (meta, tuple(x.aval for x in eqn.invars))
             else:
-                for sub in _compat.jaxprs_in_params(eqn.params):
+                for sub in _inner(eqn):
                     inner = _names(sub)
                     reads |= inner.reads
                     for n, w in inner.writes.items():
@@ -399,9 +409,33 @@ def _names(jaxpr) -> _Names:
 
 
 def _holds_state(eqn) -> bool:
-    return any(
-        (lambda n: n.reads or n.writes)(_names(sub)) for sub in _compat.jaxprs_in_params(eqn.params)
-    )
+    return any((lambda n: n.reads or n.writes)(_names(sub)) for sub in _inner(eqn))
+
+
+def _inner(eqn) -> list:
+    """The functions `eqn` runs: the jaxprs in its params, and, for a primitive whose functions
+    are Python (see `register_handler`'s `runs`), what they trace to."""
+    subs = list(_compat.jaxprs_in_params(eqn.params))
+    runs = state_rules_for(eqn)[1]
+    if runs is not None:
+        ran = _ran(eqn, runs)
+        if ran is not None:
+            subs.append(ran)
+    return subs
+
+
+# Equations whose Python functions were traced inside `stateful` (`runs`), and what that gave
+# (bounded; the equation is held so that its id is not reused).
+_RAN: OrderedDict = OrderedDict()
+
+
+def _ran(eqn, runs: Callable):
+    hit = _RAN.get(id(eqn))
+    if hit is None or hit[0] is not eqn:
+        hit = _RAN[id(eqn)] = (eqn, runs(eqn))
+        if len(_RAN) > 256:
+            _RAN.popitem(last=False)
+    return hit[1]
 
 
 def _run(jaxpr, consts, args, env: dict, log: _Log) -> list:
@@ -425,21 +459,28 @@ def _run(jaxpr, consts, args, env: dict, log: _Log) -> list:
             outs = invals
         elif prim.name in _compat.VARY_PRIMITIVES:  # its operand may vary where it did not
             outs = _compat.rebind_vary(eqn, invals)
-        elif not _holds_state(eqn):
-            outs = _compat.bind(prim, invals, eqn.params)
-            outs = outs if prim.multiple_results else [outs]
         else:
-            rule = _RULES.get(prim)
-            if rule is None:
+            rule, runs = state_rules_for(eqn)
+            if not _holds_state(eqn):
+                outs = _compat.bind(prim, invals, eqn.params)
+                outs = outs if prim.multiple_results else [outs]
+            elif rule is not None:
+                with _compat.user_context(eqn):
+                    outs = rule(eqn, invals, Threading(env, log))
+            elif runs is not None:  # what it runs, threaded as a call
+                outs = _run(*_closed(_ran(eqn, runs)), invals, env, log)
+            elif (handler := handler_for(eqn)) is not None:
+                with _compat.user_context(eqn):
+                    outs = _on_handler_contract(eqn, invals, Threading(env, log), handler)
+            else:
                 inner = [_names(sub) for sub in _compat.jaxprs_in_params(eqn.params)]
                 used = sorted({n for i in inner for n in (*i.reads, *i.writes)})
                 raise StateError(
                     f"stx.stateful cannot thread state through the primitive `{prim}`, which "
-                    f"reads or sets {used}. Move the get_state/set_state out of it, or pass the "
-                    "value in and out of it by hand."
+                    f"reads or sets {used}: it has no handler (see 'Writing a handler' in the "
+                    "docs). Move the get_state/set_state out of it, or pass the value in and "
+                    "out of it by hand."
                 )
-            with _compat.user_context(eqn):
-                outs = rule(eqn, invals, env, log)
         values.update(zip(eqn.outvars, outs, strict=True))
     return [read(x) for x in jaxpr.outvars]
 
@@ -484,9 +525,65 @@ def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
     return out
 
 
-# ---- rules: one per higher-order primitive ---------------------------------------------------
+# ---- threading state through a higher-order primitive -----------------------------------------
+#
+# What a primitive does with state is its handler module's to say (`statax/handlers/`), beside
+# what it does with marks: `register_handler(prim, ..., thread_state=rule)` registers
+# `rule(eqn, invals, threading) -> outs`, which evaluates `eqn` on `invals` in the current trace
+# and threads the state of `threading` (a `Threading`) through it. A primitive with a handler
+# and no such rule threads state on the handler's own contract (`_on_handler_contract`).
 
-_RULES: dict[jex.Primitive, Callable] = {}
+
+class Threading:
+    """A state rule's view of the state where its equation runs, and the ways to thread it
+    through the primitive's functions (see `statax.extend.register_handler`)."""
+
+    __slots__ = ("env", "log")
+
+    def __init__(self, env: dict, log: _Log):
+        self.env, self.log = env, log
+
+    def uses(self, jaxpr) -> _Names:
+        """The names `jaxpr` reads (`.reads`) and sets (`.writes`: name -> `(meta, avals)`)."""
+        return _names(jaxpr)
+
+    def present(self, *jaxprs) -> list[str]:
+        """The names with a value now that any of `jaxprs` reads or sets."""
+        used = [_names(j) for j in jaxprs]
+        return [n for n in self.env if any(n in u.reads or n in u.writes for u in used)]
+
+    def run(self, jaxpr, args: Sequence) -> list:
+        """`jaxpr` (closed or open) evaluated on `args` here, in the same state: a call."""
+        return _run(*_closed(jaxpr), list(args), self.env, self.log)
+
+    def threaded(self, jaxpr, names: Sequence[str], touched: dict, start=None) -> Callable:
+        """`f(args, state) -> (outs, new_state)`: `jaxpr` threaded in a new trace (a loop
+        body, a branch, a checkpointed or per-shard function). `state` holds the leaves of
+        `names` (name -> leaves); the other names are read as they are now, or as `start`
+        (name -> `_Slot`, from `carried`) has them. `new_state` holds the leaves of each name
+        in `touched` (name -> `(meta, avals)`), as values of that kind."""
+        env = {**self.env, **(start or {})}
+        return _threaded(jaxpr, names, env, self.log, touched)
+
+    def carried(self, writes: dict, jaxpr, args: Sequence, loop: str) -> dict:
+        """The value each name a loop sets starts the loop with (name -> `_Slot`; its
+        `.leaves`): its value before the loop; else what the first iteration (`jaxpr` on
+        `args`) reads; else zeros for a `scan`, and a `StateError` for a `while_loop` (which
+        may run no iteration)."""
+        probe = None if jaxpr is None else _probe(jaxpr, list(args), self.env, self.log)
+        return _carried(writes, self.env, self.log, probe, loop)
+
+    def values(self, names: Sequence[str]) -> dict:
+        """name -> the leaves it holds now."""
+        return {n: list(self.env[n].leaves) for n in names}
+
+    def shards(self, name: str) -> tuple:
+        """The manual mesh axes `name`'s value is split over (one row per shard), or `()`."""
+        return self.env[name].shards
+
+    def update(self, new: dict, touched: dict, shards: tuple = ()) -> None:
+        """Set each name of `new` (name -> leaves) to that value, of `touched`'s kind."""
+        _update(self.env, new, touched, self.log, shards)
 
 
 def _closed(jaxpr) -> tuple:
@@ -496,23 +593,7 @@ def _closed(jaxpr) -> tuple:
     return jaxpr, ()
 
 
-def _inline(eqn, invals, env, log):
-    # Calls (jit, closed_call; custom derivatives' primal, which then runs and is
-    # differentiated as written): in the same trace and environment.
-    if eqn.primitive is _compat.JIT_PRIMITIVE:
-        inner = _compat.jit_jaxpr(eqn.params)
-    elif eqn.primitive in (jex.primitives.custom_jvp_call_p, jex.primitives.custom_vjp_call_p):
-        inner = _compat.custom_primal(eqn.params)
-    else:
-        inner = _compat.call_jaxpr(eqn.params)
-    return _run(*_closed(inner), invals, env, log)
-
-
 def _threaded(jaxpr, names: Sequence[str], env: dict, log: _Log, touched: dict) -> Callable:
-    """`f(args, state) -> (outs, new_state)`: `jaxpr` threaded in a new trace (a loop body, a
-    branch, a checkpointed or per-shard function). `state` holds the leaves of `names`; the
-    other names of `env` are read as they are. `new_state` holds the leaves of each name in
-    `touched` (name -> `(meta, avals)`, what it is set to), as values of that kind."""
     open_jaxpr, consts = _closed(jaxpr)
 
     def f(args, state):
@@ -539,11 +620,6 @@ def _update(env: dict, new: dict, touched: dict, log: _Log, shards: tuple = ()) 
 
 
 def _carried(writes: dict, env: dict, log: _Log, probe: Callable | None, loop: str) -> dict:
-    """The initial value of each name a loop sets: its value before the loop (broadcast to the
-    batch axes it gets inside); else, for a name the body reads before it sets it, what the
-    first iteration reads (`probe()` runs the body once, its marks inert, to find out); else
-    zeros, overwritten before they are read. In a while_loop, which may run no iteration, a
-    name with no value before it is an error."""
     first = probe() if probe is not None and any(n not in env for n in writes) else {}
     init = {}
     for n, (meta, avals) in writes.items():
@@ -572,149 +648,75 @@ def _probe(jaxpr, args, env, log) -> Callable:
     return probe
 
 
-def _scan(eqn, invals, env, log):
-    parts = _compat.scan_parts(eqn.params)
-    nc, ncar = parts.num_consts, parts.num_carry
-    consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
-    writes = _names(parts.jaxpr).writes
-    if parts.length == 0:  # no iteration sets anything
-        writes = {}
-    first = [x[-1 if parts.reverse else 0] for x in xs]
-    init = _carried(
-        writes, env, log, _probe(parts.jaxpr, [*consts, *carry, *first], env, log), "scan"
-    )
-    body = _threaded(parts.jaxpr, list(writes), {**env, **init}, log, writes)
+def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
+    """Thread state through `eqn` with its `pull` handler, as values that come in and go out:
+    each of its functions is threaded on its own (a read after a set in it sees the set), the
+    values the names have where it starts come in as planted values do (`take`), and their
+    values where it ends go out as marks do (`mark`). The handler rebuilds the equation to
+    take and return them, as it does for `plant` and `pull`. Right for a primitive that calls
+    each of its functions once (a call); a loop or a branch needs a rule of its own."""
+    names = threading.present(*_compat.jaxprs_in_params(eqn.params))
+    ins = {n: threading.env[n] for n in names}
+    in_metas = tuple(_state_meta(n, s.meta) for n, s in ins.items())
+    set_metas: list = []
 
-    def step(c, x):
-        outs, new = body([*consts, *c[0], *x], c[1])
-        return (outs[:ncar], new), outs[ncar:]
+    def thread(jaxpr):
+        closed = jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jex.ClosedJaxpr(jaxpr, ())
+        writes = _names(closed).writes
 
-    (carry_out, new), ys = jax.lax.scan(
-        step,
-        (list(carry), {n: s.leaves for n, s in init.items()}),
-        list(xs),
-        length=parts.length,
-        reverse=parts.reverse,
-        unroll=parts.unroll,
-    )
-    _update(env, new, writes, log)
-    return [*carry_out, *ys]
-
-
-def _while(eqn, invals, env, log):
-    cond, body_jaxpr, cn, bn = _compat.while_parts(eqn.params)
-    cconsts, bconsts, carry = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-    for meta, _ in _names(cond).writes.values():
-        raise StateError(
-            f"set_state({meta.name!r}) at {meta.location} runs in a while_loop's cond_fun, "
-            "which decides whether to go on and must not change state. Set it in body_fun."
-        )
-    writes = _names(body_jaxpr).writes
-    probe = _probe(body_jaxpr, [*bconsts, *carry], env, log)
-    init = _carried(writes, env, log, probe, "while_loop")
-    inner_env = {**env, **init}
-    body = _threaded(body_jaxpr, list(writes), inner_env, log, writes)
-    test = _threaded(cond, list(writes), inner_env, log, {})
-
-    def body_fn(c):
-        return body([*bconsts, *c[0]], c[1])
-
-    carry_out, new = jax.lax.while_loop(
-        lambda c: test([*cconsts, *c[0]], c[1])[0][0],
-        body_fn,
-        (list(carry), {n: s.leaves for n, s in init.items()}),
-    )
-    _update(env, new, writes, log)
-    return carry_out
-
-
-def _cond(eqn, invals, env, log):
-    index, ops = invals[0], list(invals[1:])
-    branches = _compat.cond_branches(eqn.params)
-    per_branch = [_names(b).writes for b in branches]
-    writes: dict = {}
-    for w in per_branch:
-        for n, (meta, avals) in w.items():
-            if n not in writes or meta.batch_ndim > writes[n][0].batch_ndim:
-                writes[n] = (meta, avals)
-    for n, (meta, _) in writes.items():
-        if n not in env and not all(n in w for w in per_branch):
-            raise StateError(
-                f"The state {n!r} is set in some branches of a cond/switch (at {meta.location}) "
-                "and has no value before it, so there would be none after it where another "
-                "branch ran. Give it one before the cond (set_state, state=, or get_state with "
-                "init=), or set it in every branch."
+        def body(*args):
+            avals = [jax.typeof(x) for s in ins.values() for x in s.leaves]
+            leaves = iter(take(in_metas, avals))
+            env = {
+                n: s._replace(leaves=tuple(next(leaves) for _ in s.leaves)) for n, s in ins.items()
+            }
+            log = _Log()
+            log.depth = threading.log.depth + 1
+            outs = _run(closed.jaxpr, closed.consts, list(args), env, log)
+            done = [n for n in log.set_order if n in writes]
+            set_metas.append([(n, env[n]) for n in done])
+            mark(
+                [x for n in done for x in env[n].leaves],
+                [_state_meta(n, env[n].meta) for n in done],
             )
-    names = [n for n in writes if n in env]
-    fns = [_threaded(b, names, env, log, writes) for b in branches]
-    state = {n: env[n].leaves for n in names}
-    outs, new = jax.lax.switch(index, [lambda o, s, f=f: f(o, s) for f in fns], ops, state)
-    _update(env, new, writes, log)
-    return outs
+            return outs
+
+        new = _compat.trace(body, closed.in_avals, name="stateful")
+        return new if isinstance(jaxpr, jex.ClosedJaxpr) else new.jaxpr
+
+    with _compat.PULLING(True):
+        rewrite = handler(eqn.replace(params=map_jaxprs(eqn.params, thread)))
+    fed = []
+    for meta in rewrite.ins:
+        if not _is_state(meta):
+            raise StateError(
+                f"stx.stateful: {eqn.primitive} takes a planted value in, {meta.name!r}"
+            )
+        fed.extend(threading.env[meta.name[len(_STATE_PREFIX) :]].leaves)
+    flat = _compat.bind(rewrite.eqn.primitive, [*invals, *fed], rewrite.eqn.params)
+    n = len(eqn.outvars)
+    out_leaves = split_leaves(flat[n:], rewrite.outs)
+    kinds = {name: slot for pairs in set_metas for name, slot in pairs}
+    for meta, leaves in zip(rewrite.outs, out_leaves, strict=True):
+        if _is_state(meta):
+            name = meta.name[len(_STATE_PREFIX) :]
+            threading.update({name: leaves}, {name: (kinds[name].meta, None)})
+        elif _compat.PULLING.value:  # a user's mark, taken out by the handler: marked again
+            mark(list(leaves), [meta])
+        else:
+            save_inter_p.bind(*leaves, meta=meta, status=IDLE)
+    return list(flat[:n])
 
 
-def _remat(eqn, invals, env, log):
-    # Rebuilt around the threaded function: a recomputation in the backward pass recomputes
-    # values, and sets nothing.
-    jaxpr = _compat.call_jaxpr(eqn.params)
-    info = _names(jaxpr)
-    names = [n for n in env if n in info.reads or n in info.writes]
-    body = _threaded(jaxpr, names, env, log, info.writes)
-    outs, new = jax.checkpoint(
-        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )(list(invals), {n: env[n].leaves for n in names})
-    _update(env, new, info.writes, log)
-    return outs
+_STATE_PREFIX = "\x00state:"  # marks that carry state through a handler: no user's name
 
 
-def _shard_map(eqn, invals, env, log):
-    # State set inside is per shard: one row per shard, along a new leading axis, split over
-    # the manual mesh axes; each shard reads its own row back in a later shard_map. Other
-    # state comes in whole, the same on every shard.
-    jaxpr, mesh, in_specs, out_specs, check_vma, manual = _compat.shard_map_parts(eqn.params)
-    axes = tuple(a for a in mesh.axis_names if a in manual)
-    info = _names(jaxpr)
-    names = [n for n in env if n in info.reads or n in info.writes]
-    split = {n: env[n].shards == axes for n in names}
-    run = _threaded(jaxpr, names, env, log, info.writes)
-
-    def body(args, state):
-        state = {n: [x[0] if split[n] else x for x in v] for n, v in state.items()}
-        outs, new = run(args, state)
-        return outs, {n: [_compat.vary(x[None], axes) for x in v] for n, v in new.items()}
-
-    def spec(split_: bool) -> PartitionSpec:
-        return PartitionSpec(axes) if split_ else PartitionSpec()
-
-    state = {n: list(env[n].leaves) for n in names}
-    outs, new = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(list(in_specs), {n: [spec(split[n])] * len(v) for n, v in state.items()}),
-        out_specs=(
-            list(out_specs),
-            {n: [spec(True)] * len(avals) for n, (_, avals) in info.writes.items()},
-        ),
-        check_vma=check_vma,
-        axis_names=frozenset(manual),
-    )(list(invals), state)
-    _update(env, new, info.writes, log, shards=axes)
-    return outs
+def _state_meta(name: str, meta: StateMeta) -> StateMeta:
+    return dataclasses.replace(meta, name=_STATE_PREFIX + name, reduce=None)
 
 
-for _prim in (
-    _compat.JIT_PRIMITIVE,
-    jex.primitives.closed_call_p,
-    jex.primitives.call_p,
-    jex.primitives.custom_jvp_call_p,
-    jex.primitives.custom_vjp_call_p,
-):
-    _RULES[_prim] = _inline
-_RULES[jex.primitives.scan_p] = _scan
-_RULES[jex.primitives.while_p] = _while
-_RULES[jex.primitives.cond_p] = _cond
-_RULES[_compat.REMAT_PRIMITIVE] = _remat
-_RULES[_compat.SHARD_MAP_PRIMITIVE] = _shard_map
+def _is_state(meta: StateMeta) -> bool:
+    return meta.name.startswith(_STATE_PREFIX)
 
 
 # ---- the primitives' rules ----------------------------------------------------------------
@@ -723,9 +725,9 @@ _RULES[_compat.SHARD_MAP_PRIMITIVE] = _shard_map
 def _escaped(what: str, meta: StateMeta) -> StateError:
     return StateError(
         f"{what}({meta.name!r}) at {meta.location} ran where stx.stateful could not thread it: "
-        "inside a primitive whose rules run Python code of their own (an equinox noinline, a "
-        "lineax operator), or in a function traced inside stateful and run outside it. Move the "
-        "call out of it."
+        "inside a primitive whose rules run Python code of their own and that has no handler "
+        "saying what it runs (see 'Writing a handler' in the docs: `runs=`), or in a function "
+        "traced inside stateful and run outside it. Move the call out of it."
     )
 
 
@@ -805,9 +807,7 @@ def _forbid_batched_predicate(prim, predicate_batched: Callable) -> None:
     # every branch (every iteration) for every example and selecting: each branch's
     # `set_state` would run for every example. Inside `stateful` that is an error, not a
     # silently wrong state.
-    original = _compat.batching_rule(prim)
-
-    def rule(axis_data, args, dims, **params):
+    def guard(axis_data, dims, params):
         if (
             _compat.STATEFUL.value is not None
             and predicate_batched(axis_data, params, dims)
@@ -818,9 +818,8 @@ def _forbid_batched_predicate(prim, predicate_batched: Callable) -> None:
                 "inside stx.stateful: JAX runs every branch for every example, so each would "
                 "set it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
             )
-        return original(axis_data, args, dims, **params)
 
-    _compat.set_batching_rule(prim, rule)
+    register_batching_guard(prim, guard)
 
 
 def _while_predicate_batched(axis_data, params, dims) -> bool:

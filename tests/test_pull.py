@@ -624,7 +624,8 @@ def test_changing_a_handler_drops_every_cached_rewrite():
     stx.pull(f)(1.0)
     assert _pull._CACHE and _interpreter._PULLED and _interpreter._SAVES
     handler = _interpreter._HANDLERS[lax.cond_p]
-    stx.extend.register_handler(lax.cond_p, handler)
+    thread_state, _ = _interpreter._STATE_RULES[lax.cond_p]
+    stx.extend.register_handler(lax.cond_p, handler, thread_state=thread_state)
     caches = (_interpreter._SAVES, _interpreter._PULLED, _interpreter._PULLED_OPEN)
     assert not _pull._CACHE and not any(caches)
     assert not _interpreter._INERT and not _interpreter._IMPLS

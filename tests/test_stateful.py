@@ -508,6 +508,25 @@ def test_a_batched_predicate_inside_stateful_is_an_error_not_a_wrong_state():
         stx.stateful(jax.vmap(loop))(xs, state={"n": jnp.float32(0)})
 
 
+def test_the_batching_guard_outlives_the_cond_handler():
+    # statax owns its batching rules in one place: removing `pull`'s handler for `cond` keeps
+    # `stateful`'s guard, and registering it again keeps it too.
+    from statax.handlers import cond
+
+    def h(x):
+        stx.set_state(jnp.zeros(()), "v")
+        return lax.cond(x > 0, lambda x: stx.set_state(x, "v"), lambda x: -x, x)
+
+    stx.extend.unregister_handler(lax.cond_p)
+    try:
+        with pytest.raises(stx.StateError, match="predicate differs per example"):
+            stx.stateful(jax.vmap(h))(jnp.array([1.0, -2.0]))
+    finally:
+        stx.extend.register_exposer(lax.cond_p, cond._cond_exposer, thread_state=cond._cond_state)
+    with pytest.raises(stx.StateError, match="predicate differs per example"):
+        stx.stateful(jax.vmap(h))(jnp.array([1.0, -2.0]))
+
+
 def test_while_under_an_inner_vmap_with_a_shared_predicate_is_per_example():
     def h(x):
         def body(c):
@@ -588,3 +607,56 @@ def test_a_python_number_in_state_is_taken_as_jit_takes_one():
         lambda x: stx.stateful(get_then_set_under_checkpoint)(x, state={"s": 2.0})[1]["s"]
     )(x)
     assert_tree_allclose(grad, jnp.float32(2.0))  # d(2 x)/dx
+
+
+# ---- state in Python functions that a library's primitive runs -------------------------------
+
+A = jnp.array([[4.0, 1, 0], [1, 3, 0.5], [0, 0.5, 2]])
+B = jnp.array([1.0, 2, 3])
+
+
+def counted_solve(b, solver):
+    """`A x = b` by lineax, through a `FunctionLinearOperator` whose matvec counts its calls
+    and keeps its last argument in state."""
+    import lineax as lx
+
+    def matvec(x):
+        stx.set_state(stx.get_state("calls", init=lambda: jnp.zeros((), jnp.int32)) + 1, "calls")
+        stx.set_state(x, "last_x")
+        return A @ x
+
+    struct = jax.ShapeDtypeStruct((3,), jnp.float32)
+    op = lx.FunctionLinearOperator(matvec, struct, tags=lx.positive_semidefinite_tag)
+    return lx.linear_solve(op, b, solver=solver).value
+
+
+def test_state_in_a_lineax_matvec_is_threaded():
+    import lineax as lx
+
+    cg = lx.CG(rtol=1e-6, atol=1e-6)
+    # By hand: CG's own count of matvecs is its number of steps, plus one for the residual.
+    steps = lx.linear_solve(
+        lx.MatrixLinearOperator(A, lx.positive_semidefinite_tag), B, solver=cg
+    ).stats["num_steps"]
+    threaded = stx.stateful(counted_solve)
+    for run in (threaded, jax.jit(threaded, static_argnums=1)):
+        x, state = run(B, cg)
+        assert_tree_allclose(x, jnp.linalg.solve(A, B), rtol=1e-5)
+        assert set(state) == {"calls", "last_x"}
+        assert int(state["calls"]) == int(steps) + 1
+    # The solve runs as written under differentiation (LU: differentiable as written).
+    lu = lx.LU()
+    tangent = jax.jvp(lambda b: stx.stateful(counted_solve)(b, lu)[0], (B,), (jnp.ones(3),))[1]
+    assert_tree_allclose(tangent, jnp.linalg.solve(A, jnp.ones(3)), rtol=1e-5)
+    grad = jax.grad(lambda b: stx.stateful(counted_solve)(b, lu)[0].sum())(B)
+    assert_tree_allclose(grad, jnp.linalg.solve(A.T, jnp.ones(3)), rtol=1e-5)
+
+
+def test_state_in_an_equinox_noinline_function_is_threaded():
+    @eqx.internal.noinline
+    def noinline(x):
+        stx.set_state(x * 2, "n")
+        return x + 1
+
+    out, state = stx.stateful(lambda x: noinline(x) * 3)(jnp.float32(1.0))
+    assert_tree_allclose((out, state), (jnp.float32(6.0), {"n": jnp.float32(2.0)}))

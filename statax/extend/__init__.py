@@ -16,6 +16,7 @@ from .._compat import SymbolicZero as SymbolicZero
 from .._compat import bind as bind
 from .._compat import trace as trace
 from .._compat import vary as vary
+from .._errors import StateError as StateError
 from .._interpreter import Exposer as Exposer
 from .._interpreter import Handler as Handler
 from .._interpreter import Rewrite as Rewrite
@@ -31,12 +32,14 @@ from .._interpreter import only_in as only_in
 from .._interpreter import pull_jaxpr as pull_jaxpr
 from .._interpreter import pull_open_jaxpr as pull_open_jaxpr
 from .._interpreter import pulled_with_rule as pulled_with_rule
+from .._interpreter import register_batching_guard as register_batching_guard
 from .._interpreter import register_exposer as register_exposer
 from .._interpreter import register_family as register_family
 from .._interpreter import register_handler as register_handler
 from .._interpreter import restage_equation as restage_equation
 from .._interpreter import split_leaves as split_leaves
 from .._interpreter import take as take
+from .._interpreter import trace_impl as trace_impl
 from .._interpreter import traced_impl as traced_impl
 from .._interpreter import unregister_family as unregister_family
 from .._interpreter import unregister_handler as unregister_handler
@@ -44,6 +47,7 @@ from .._interpreter import zero_tangent as zero_tangent
 from .._meta import ARRAY as ARRAY
 from .._meta import StateMeta as StateMeta
 from .._primitive import save_inter_p as save_inter_p
+from .._stateful import Threading as Threading
 from . import params as params
 from . import reductions as reductions
 
@@ -57,8 +61,10 @@ __all__ = [
     "Rewrite",
     "Rewritten",
     "SHARD_MAP_PRIMITIVE",
+    "StateError",
     "StateMeta",
     "SymbolicZero",
+    "Threading",
     "bind",
     "call_equation",
     "extend_equation",
@@ -73,6 +79,7 @@ __all__ = [
     "pull_open_jaxpr",
     "pulled_with_rule",
     "reductions",
+    "register_batching_guard",
     "register_exposer",
     "register_family",
     "register_handler",
@@ -81,6 +88,7 @@ __all__ = [
     "split_leaves",
     "take",
     "trace",
+    "trace_impl",
     "traced_impl",
     "unregister_family",
     "unregister_handler",

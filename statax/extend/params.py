@@ -9,6 +9,7 @@ from .._compat import ShardMapParts as ShardMapParts
 from .._compat import WhileParts as WhileParts
 from .._compat import call_jaxpr as call_jaxpr
 from .._compat import call_params as call_params
+from .._compat import checkpoint_options as checkpoint_options
 from .._compat import cond_branches as cond_branches
 from .._compat import cond_params as cond_params
 from .._compat import custom_params as custom_params
@@ -32,6 +33,7 @@ __all__ = [
     "WhileParts",
     "call_jaxpr",
     "call_params",
+    "checkpoint_options",
     "cond_branches",
     "cond_params",
     "custom_params",

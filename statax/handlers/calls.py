@@ -12,10 +12,14 @@ intermediates leave as extra outputs of the call, and planted values come in as 
 * `checkpoint`: under differentiation, JAX's partial evaluation keeps each mark in the forward
   pass and makes the copy that the backward pass replays inert, so every value is collected
   once.
+
+Under `stateful`, a call runs its function in the same state; a `checkpoint` is rebuilt around
+the threaded function, so that a recomputation in the backward pass sets nothing again.
 """
 
 from __future__ import annotations
 
+import jax
 from jax.extend.core.primitives import call_p, closed_call_p
 
 from ..extend import (
@@ -44,7 +48,25 @@ def _jit_handler(eqn):
     return extend_equation(eqn, inner, **params.jit_params(eqn.params, inner.jaxpr))
 
 
-register_handler(closed_call_p, _closed_call_handler)
-register_handler(call_p, _open_call_handler)
-register_handler(REMAT_PRIMITIVE, _open_call_handler)
-register_handler(JIT_PRIMITIVE, _jit_handler)
+def _call_state(eqn, invals, threading):
+    return threading.run(params.call_jaxpr(eqn.params), invals)
+
+
+def _jit_state(eqn, invals, threading):
+    return threading.run(params.jit_jaxpr(eqn.params), invals)
+
+
+def _remat_state(eqn, invals, threading):
+    jaxpr = params.call_jaxpr(eqn.params)
+    writes, names = threading.uses(jaxpr).writes, threading.present(jaxpr)
+    body = threading.threaded(jaxpr, names, writes)
+    options = params.checkpoint_options(eqn.params)
+    outs, new = jax.checkpoint(body, **options)(list(invals), threading.values(names))
+    threading.update(new, writes)
+    return outs
+
+
+register_handler(closed_call_p, _closed_call_handler, thread_state=_call_state)
+register_handler(call_p, _open_call_handler, thread_state=_call_state)
+register_handler(REMAT_PRIMITIVE, _open_call_handler, thread_state=_remat_state)
+register_handler(JIT_PRIMITIVE, _jit_handler, thread_state=_jit_state)

@@ -9,18 +9,31 @@ dtype or pytree structure is an error naming both call sites: give them differen
 Planted values are matched into slots the same way: every branch takes every slot's value, and
 uses those of its own marks.
 
+Under `stateful`, every name some branch sets leaves the cond from the branch that ran (a
+branch that does not set it passes its value on).
+
 Under `vmap` with a batched predicate JAX runs both branches and selects; the slots are outputs
 of the cond by then, so each example gets the value of the branch it took.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import cond_p
 
 from .._errors import BranchMismatchError
-from ..extend import mark, params, pull_jaxpr, register_exposer, split_leaves, take, trace
+from ..extend import (
+    StateError,
+    mark,
+    params,
+    pull_jaxpr,
+    register_exposer,
+    split_leaves,
+    take,
+    trace,
+)
 
 
 def _slots(per_branch_metas, per_branch_avals):
@@ -97,4 +110,33 @@ def _cond_exposer(index, *ops, **eqn_params):
     return flat[:num_out]
 
 
-register_exposer(cond_p, _cond_exposer)
+def _cond_state(eqn, invals, threading):
+    # Every name some branch sets leaves the cond, from the branch that ran; a branch that
+    # does not set it passes its value on.
+    index, ops = invals[0], list(invals[1:])
+    branches = params.cond_branches(eqn.params)
+    per_branch = [threading.uses(b).writes for b in branches]
+    writes: dict = {}
+    for w in per_branch:
+        for n, (meta, avals) in w.items():
+            if n not in writes or meta.batch_ndim > writes[n][0].batch_ndim:
+                writes[n] = (meta, avals)
+    names = threading.present(*branches)
+    for n, (meta, _) in writes.items():
+        if n not in names and not all(n in w for w in per_branch):
+            raise StateError(
+                f"The state {n!r} is set in some branches of a cond/switch (at {meta.location}) "
+                "and has no value before it, so there would be none after it where another "
+                "branch ran. Give it one before the cond (set_state, state=, or get_state with "
+                "init=), or set it in every branch."
+            )
+    names = [n for n in names if n in writes]
+    fns = [threading.threaded(b, names, writes) for b in branches]
+    outs, new = jax.lax.switch(
+        index, [lambda o, s, f=f: f(o, s) for f in fns], ops, threading.values(names)
+    )
+    threading.update(new, writes)
+    return outs
+
+
+register_exposer(cond_p, _cond_exposer, thread_state=_cond_state)

@@ -209,8 +209,17 @@ def _find_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     return (*find_saves(params.custom_primal(eqn.params)), *_rule_marks(eqn.params).metas)
 
 
+def _thread_state(eqn, invals, threading):
+    # A function that reads or sets state runs, and is differentiated, as written: its rule
+    # does not describe what it does to the state.
+    return threading.run(params.custom_primal(eqn.params), invals)
+
+
 for _primitive, _rule in ((custom_jvp_call_p, "jvp"), (custom_vjp_call_p, "vjp")):
     # A custom_vjp function has no JVP to call: the rewritten one is a custom_vjp too.
     register_handler(
-        _primitive, handler_from_exposer(_exposer(_primitive, _rule)), find_saves=_find_saves
+        _primitive,
+        handler_from_exposer(_exposer(_primitive, _rule)),
+        find_saves=_find_saves,
+        thread_state=_thread_state,
     )

@@ -15,6 +15,9 @@ equinox closure-converts into jaxprs in `static`).
 traces it to look for marks, and where there are some, replaces the equation by a call of the
 pulled function: while pulled, the function is inlined; unpulled programs keep `noinline`.
 
+Under `stateful`, both run their Python functions traced, and thread the state through them
+(as a call does); a primitive whose functions touch no state is bound as it is.
+
 The other equinox constructs need no handler of their own: `eqx.filter_jit` is a `jit`,
 `eqx.filter_checkpoint` a `checkpoint`, and `eqx.internal.while_loop` is built from `while`
 (`kind="lax"`), custom derivatives around a `while` (`"checkpointed"`) or `scan`s of `cond`s
@@ -36,6 +39,7 @@ from ..extend import (
     register_family,
     register_handler,
     trace,
+    trace_impl,
     traced_impl,
 )
 
@@ -69,7 +73,12 @@ def _noinline_handler(eqn):
     return call_equation(eqn, pull_jaxpr(_traced(eqn)))
 
 
-register_handler(_noinline_p, _noinline_handler, find_saves=_find)
+def _noinline_runs(eqn):
+    fn = _fn_of(eqn)
+    return None if fn is None else trace(fn, [x.aval for x in eqn.invars], name="noinline")
+
+
+register_handler(_noinline_p, _noinline_handler, find_saves=_find, runs=_noinline_runs)
 
 
 def _filter_primitive_handler(eqn):
@@ -84,6 +93,15 @@ def _filter_primitive_handler(eqn):
     return handler_from_exposer(exposer)(eqn)
 
 
+def _filter_primitive_runs(eqn):
+    # The Python functions the primitive runs (a lineax operator's matvec), traced with it:
+    # where they touch state, it is threaded through them, and differentiated as written.
+    return trace_impl(eqn, _equinox.impl_of(eqn))
+
+
 register_family(
-    _equinox.is_equinox_primitive, _filter_primitive_handler, find_saves=find_saves_in_impl
+    _equinox.is_equinox_primitive,
+    _filter_primitive_handler,
+    find_saves=find_saves_in_impl,
+    runs=_filter_primitive_runs,
 )

@@ -25,6 +25,9 @@ Planted values come in as a `scan`'s extra `xs` (one per iteration, stacked like
 intermediates) and as a `while`'s (or a bounded loop's) extra constants (one value, used in every
 iteration).
 
+Under `stateful`, every name a loop's body sets is part of its carry (an iteration reads what
+the one before set, and the last value leaves the loop); the others are read as they are.
+
 Under `vmap`, both leave the loop before JAX batches it and are marked again outside: a scan's
 intermediates come back with the batch axis first, then the scan axis; a while loop's with each
 example's own last iteration. A `vmap` inside a scan's body is another matter: its values leave
@@ -42,6 +45,7 @@ from jax.extend.core.primitives import scan_p, while_p
 
 from .. import _equinox
 from ..extend import (
+    StateError,
     handler_from_exposer,
     mark,
     params,
@@ -204,7 +208,33 @@ def _scan_handler(eqn):
     return restage_equation(eqn, _stacked(body.outs), **new)
 
 
-register_handler(scan_p, _scan_handler)
+def _scan_state(eqn, invals, threading):
+    # Every name the body sets is part of the carry; the others are read as they are.
+    parts = params.scan_parts(eqn.params)
+    nc, ncar = parts.num_consts, parts.num_carry
+    consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    writes = threading.uses(parts.jaxpr).writes if parts.length else {}  # no iteration, no set
+    first = [x[-1 if parts.reverse else 0] for x in xs]
+    init = threading.carried(writes, parts.jaxpr, [*consts, *carry, *first], "scan")
+    body = threading.threaded(parts.jaxpr, list(writes), writes, start=init)
+
+    def step(c, x):
+        outs, new = body([*consts, *c[0], *x], c[1])
+        return (outs[:ncar], new), outs[ncar:]
+
+    (carry_out, new), ys = jax.lax.scan(
+        step,
+        (list(carry), {n: s.leaves for n, s in init.items()}),
+        list(xs),
+        length=parts.length,
+        reverse=parts.reverse,
+        unroll=parts.unroll,
+    )
+    threading.update(new, writes)
+    return [*carry_out, *ys]
+
+
+register_handler(scan_p, _scan_handler, thread_state=_scan_state)
 
 
 def _while_exposer(*args, **eqn_params):
@@ -250,4 +280,25 @@ def _while_exposer(*args, **eqn_params):
     return carry
 
 
-register_exposer(while_p, _while_exposer)
+def _while_state(eqn, invals, threading):
+    cond, body_jaxpr, cn, bn = params.while_parts(eqn.params)
+    cconsts, bconsts, carry = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    for meta, _ in threading.uses(cond).writes.values():
+        raise StateError(
+            f"set_state({meta.name!r}) at {meta.location} runs in a while_loop's cond_fun, "
+            "which decides whether to go on and must not change state. Set it in body_fun."
+        )
+    writes = threading.uses(body_jaxpr).writes
+    init = threading.carried(writes, body_jaxpr, [*bconsts, *carry], "while_loop")
+    body = threading.threaded(body_jaxpr, list(writes), writes, start=init)
+    test = threading.threaded(cond, list(writes), {}, start=init)
+    carry_out, new = jax.lax.while_loop(
+        lambda c: test([*cconsts, *c[0]], c[1])[0][0],
+        lambda c: body([*bconsts, *c[0]], c[1]),
+        (list(carry), {n: s.leaves for n, s in init.items()}),
+    )
+    threading.update(new, writes)
+    return carry_out
+
+
+register_exposer(while_p, _while_exposer, thread_state=_while_state)

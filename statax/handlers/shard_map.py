@@ -9,6 +9,9 @@ comes first, `(batch, num_shards, *local_shape)`, as `vmap(pull(f))` gives. `num
 the product of the sizes of the manual mesh axes (of all of them for a plain `jax.shard_map`),
 in mesh order. A planted value comes in the same way: one global array of shape
 `(num_shards, *local_shape)`, each shard taking its own row.
+
+Under `stateful`, state set inside is per shard in the same layout, and a later `shard_map`
+reads each shard's row back.
 """
 
 from __future__ import annotations
@@ -100,4 +103,40 @@ def _merged_metas(metas, leaf_vars):
     return found[0]
 
 
-register_handler(SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer))
+def _thread_state(eqn, invals, threading):
+    # State set inside is per shard: one row per shard, along a new leading axis, split over
+    # the manual mesh axes; each shard reads its own row back in a later shard_map. Other
+    # state comes in whole, the same on every shard.
+    jaxpr, mesh, in_specs, out_specs, check_vma, manual = params.shard_map_parts(eqn.params)
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    writes, names = threading.uses(jaxpr).writes, threading.present(jaxpr)
+    split = {n: threading.shards(n) == axes for n in names}
+    run = threading.threaded(jaxpr, names, writes)
+
+    def body(args, state):
+        state = {n: [x[0] if split[n] else x for x in v] for n, v in state.items()}
+        outs, new = run(args, state)
+        return outs, {n: [vary(x[None], axes) for x in v] for n, v in new.items()}
+
+    def spec(split_: bool) -> PartitionSpec:
+        return PartitionSpec(axes) if split_ else PartitionSpec()
+
+    state = threading.values(names)
+    outs, new = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(list(in_specs), {n: [spec(split[n])] * len(v) for n, v in state.items()}),
+        out_specs=(
+            list(out_specs),
+            {n: [spec(True)] * len(avals) for n, (_, avals) in writes.items()},
+        ),
+        check_vma=check_vma,
+        axis_names=frozenset(manual),
+    )(list(invals), state)
+    threading.update(new, writes, shards=axes)
+    return outs
+
+
+register_handler(
+    SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer), thread_state=_thread_state
+)
