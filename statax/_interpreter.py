@@ -277,6 +277,24 @@ def selecting(selection: Callable[[StateMeta], bool] | None):
         yield
 
 
+def current_selection() -> Callable[[StateMeta], bool] | None:
+    """The selection of the `pull` tracing (`pull(fn, only=...)`), a predicate on `StateMeta`,
+    or `None` (every mark): for caches kept per selection."""
+    return _compat.SELECTION.value
+
+
+def pulling():
+    """Within, marks are bound as a tracing `pull` binds them (collected, `only=` applied):
+    for a handler that traces a function JAX would trace only later (a custom rule)."""
+    return _compat.PULLING(True)
+
+
+def pull_differentiates() -> bool:
+    """Whether the `pull` tracing has inputs that are differentiated (`jax.jvp(pull(f))`,
+    `jax.grad(pull(f))`): then custom rules run, and their marks are keys."""
+    return bool(_compat.DIFFERENTIATING.value)
+
+
 def _selected(meta: StateMeta) -> bool:
     selection = _compat.SELECTION.value
     return selection is None or bool(selection(meta))

@@ -198,10 +198,10 @@ def _run_compiled(compiled, tree, args, kwargs) -> tuple | None:
         out, inters = compiled(tree, *args, **kwargs)
     except _NotCompiled:
         return None
-    except Exception:
+    except (TypeError, ValueError):
         if _CALL.traced:  # the function's own error
             raise
-        return None  # refused by `jit` itself
+        return None  # refused by `jit` itself (not a JAX type): the plain path says why
     finally:
         _CALL.arguments = None
     return out, dict(zip(inters.keys, inters.values, strict=True))

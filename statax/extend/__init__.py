@@ -5,7 +5,10 @@ rest: the handler contract (`Rewrite`, `register_handler`, `register_exposer`, .
 (`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two namespaces:
 `statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
 whatever the JAX version names them) and `statax.extend.reductions` (the reduction modes).
-Every built-in handler in `statax/handlers/` is written with these names only.
+Every built-in handler in `statax/handlers/` is written with these names only (ruff's
+banned-import rule enforces it: see `statax/handlers/ruff.toml`). `statax.extend.equinox`
+holds what statax knows of equinox's private machinery (its loops, filter primitives and
+`noinline`).
 """
 
 from .._compat import HI_PRIMITIVE as HI_PRIMITIVE
@@ -14,24 +17,33 @@ from .._compat import REMAT_PRIMITIVE as REMAT_PRIMITIVE
 from .._compat import SHARD_MAP_PRIMITIVE as SHARD_MAP_PRIMITIVE
 from .._compat import SymbolicZero as SymbolicZero
 from .._compat import bind as bind
+from .._compat import dce as dce
 from .._compat import trace as trace
 from .._compat import vary as vary
+from .._compat import wraps_jaxpr as wraps_jaxpr
+from .._errors import BranchMismatchError as BranchMismatchError
 from .._errors import StateError as StateError
 from .._interpreter import Exposer as Exposer
 from .._interpreter import Handler as Handler
 from .._interpreter import Rewrite as Rewrite
 from .._interpreter import Rewritten as Rewritten
+from .._interpreter import acts_on as acts_on
 from .._interpreter import call_equation as call_equation
+from .._interpreter import current_selection as current_selection
 from .._interpreter import extend_equation as extend_equation
 from .._interpreter import find_saves as find_saves
 from .._interpreter import find_saves_in_impl as find_saves_in_impl
 from .._interpreter import handler_from_exposer as handler_from_exposer
 from .._interpreter import inert as inert
+from .._interpreter import map_jaxprs as map_jaxprs
 from .._interpreter import mark as mark
+from .._interpreter import on_forget as on_forget
 from .._interpreter import only_in as only_in
+from .._interpreter import pull_differentiates as pull_differentiates
 from .._interpreter import pull_jaxpr as pull_jaxpr
 from .._interpreter import pull_open_jaxpr as pull_open_jaxpr
 from .._interpreter import pulled_with_rule as pulled_with_rule
+from .._interpreter import pulling as pulling
 from .._interpreter import register_batching_guard as register_batching_guard
 from .._interpreter import register_exposer as register_exposer
 from .._interpreter import register_family as register_family
@@ -48,11 +60,13 @@ from .._meta import ARRAY as ARRAY
 from .._meta import StateMeta as StateMeta
 from .._primitive import save_inter_p as save_inter_p
 from .._stateful import Threading as Threading
+from . import equinox as equinox
 from . import params as params
 from . import reductions as reductions
 
 __all__ = [
     "ARRAY",
+    "BranchMismatchError",
     "Exposer",
     "HI_PRIMITIVE",
     "Handler",
@@ -65,19 +79,27 @@ __all__ = [
     "StateMeta",
     "SymbolicZero",
     "Threading",
+    "acts_on",
     "bind",
     "call_equation",
+    "current_selection",
+    "dce",
+    "equinox",
     "extend_equation",
     "find_saves",
     "find_saves_in_impl",
     "handler_from_exposer",
     "inert",
+    "map_jaxprs",
     "mark",
+    "on_forget",
     "only_in",
     "params",
+    "pull_differentiates",
     "pull_jaxpr",
     "pull_open_jaxpr",
     "pulled_with_rule",
+    "pulling",
     "reductions",
     "register_batching_guard",
     "register_exposer",
@@ -93,5 +115,6 @@ __all__ = [
     "unregister_family",
     "unregister_handler",
     "vary",
+    "wraps_jaxpr",
     "zero_tangent",
 ]

@@ -14,6 +14,10 @@ from .._compat import cond_branches as cond_branches
 from .._compat import cond_params as cond_params
 from .._compat import custom_params as custom_params
 from .._compat import custom_primal as custom_primal
+from .._compat import custom_rule as custom_rule
+from .._compat import custom_rule_in_library as custom_rule_in_library
+from .._compat import custom_rule_inputs as custom_rule_inputs
+from .._compat import custom_rule_params as custom_rule_params
 from .._compat import hi_expand as hi_expand
 from .._compat import hi_jaxprs as hi_jaxprs
 from .._compat import jaxprs_in_params as jaxprs_in_params
@@ -38,6 +42,10 @@ __all__ = [
     "cond_params",
     "custom_params",
     "custom_primal",
+    "custom_rule",
+    "custom_rule_in_library",
+    "custom_rule_inputs",
+    "custom_rule_params",
     "hi_expand",
     "hi_jaxprs",
     "jaxprs_in_params",

@@ -4,11 +4,11 @@ One module per primitive family; importing this package registers them all. Each
 with what it reads from the equation's params, how intermediates leave, and its limits.
 """
 
-from . import calls as calls
-from . import cond as cond
-from . import custom_derivatives as custom_derivatives
-from . import equinox as equinox
-from . import hijax as hijax
-from . import loops as loops
-from . import shard_map as shard_map
-from . import solves as solves
+from statax.handlers import calls as calls
+from statax.handlers import cond as cond
+from statax.handlers import custom_derivatives as custom_derivatives
+from statax.handlers import equinox as equinox
+from statax.handlers import hijax as hijax
+from statax.handlers import loops as loops
+from statax.handlers import shard_map as shard_map
+from statax.handlers import solves as solves

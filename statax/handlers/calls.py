@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 from jax.extend.core.primitives import call_p, closed_call_p
 
-from ..extend import (
+from statax.extend import (
     JIT_PRIMITIVE,
     REMAT_PRIMITIVE,
     extend_equation,

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import cond_p
 
-from .._errors import BranchMismatchError
-from ..extend import (
+from statax.extend import (
+    BranchMismatchError,
     StateError,
     mark,
     params,

@@ -35,20 +35,26 @@ from typing import NamedTuple
 from jax.extend import core as jex
 from jax.extend.core.primitives import custom_jvp_call_p, custom_vjp_call_p
 
-from .. import _compat
-from .._interpreter import acts_on, map_jaxprs, on_forget
-from ..extend import (
+from statax.extend import (
     StateMeta,
+    acts_on,
     bind,
+    current_selection,
+    dce,
     find_saves,
     handler_from_exposer,
     inert,
+    map_jaxprs,
+    on_forget,
     params,
+    pull_differentiates,
     pull_jaxpr,
     pulled_with_rule,
+    pulling,
     register_handler,
     save_inter_p,
     split_leaves,
+    wraps_jaxpr,
 )
 
 
@@ -65,7 +71,7 @@ on_forget(_RULES.clear)
 
 
 def _rule_marks(eqn_params: dict) -> _RuleMarks:
-    if _compat.custom_rule_in_library(eqn_params) and not find_saves(
+    if params.custom_rule_in_library(eqn_params) and not find_saves(
         params.custom_primal(eqn_params)
     ):
         # Tracing every rule would cost as much as tracing the program again (equinox alone
@@ -73,15 +79,16 @@ def _rule_marks(eqn_params: dict) -> _RuleMarks:
         # function holds marks (optimistix's implicit rule re-evaluating your residual).
         return _NONE
     try:
-        with _compat.PULLING(True):  # marks bound as a `pull` binds them (`only=` applies)
-            rule = _compat.custom_rule(eqn_params)
-    except Exception:  # noqa: BLE001
-        # A rule that refuses to be differentiated (`eqx.nondifferentiable`, equinox's
-        # guards on `filter_custom_vjp`'s non-differentiable arguments) runs no marks: where
-        # JAX would run it, it raises for the user.
+        with pulling():  # marks bound as a `pull` binds them (`only=` applies)
+            rule = params.custom_rule(eqn_params)
+    except (AssertionError, RuntimeError, TypeError, ValueError, NotImplementedError):
+        # What a rule that refuses to be differentiated raises (`eqx.nondifferentiable`,
+        # equinox's guards on `filter_custom_vjp`'s non-differentiable arguments, lineax's
+        # assertion that an operator's structure gets no tangent): it runs no marks, and where
+        # JAX would run it, it raises for the user. Anything else is raised.
         return _NONE
     per_selection = _RULES.setdefault(rule.jaxpr, {})
-    selection = _compat.SELECTION.value
+    selection = current_selection()
     if selection not in per_selection:
         per_selection[selection] = _find_rule_marks(eqn_params, rule)
     return per_selection[selection]
@@ -102,7 +109,7 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
         return _RuleMarks(None, (), frozenset((m.name, m.location) for m in found))
     pulled, metas, _ = pull_jaxpr(rule)
     primal = pull_jaxpr(params.custom_primal(eqn_params))
-    num_primals = _compat.custom_rule_inputs(eqn_params)
+    num_primals = params.custom_rule_inputs(eqn_params)
     # The primal's slots: (name, occurrence) -> the avals of its leaves.
     primal_avals = tuple(primal.jaxpr.out_avals[len(params.custom_primal(eqn_params).out_avals) :])
     slots = dict(zip(_slots(primal.outs), split_leaves(primal_avals, primal.outs), strict=True))
@@ -112,7 +119,7 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
         start, stop = out.start, out.stop
         avals = tuple(pulled.out_avals[start:stop])
         leaves = [i in out for i in range(len(pulled.out_avals))]
-        _, reads = _compat.dce(pulled.jaxpr, leaves)
+        _, reads = dce(pulled.jaxpr, leaves)
         if any(reads[num_primals:]):
             continue  # a derivative: left to a `pull` around the differentiation
         sites.add((meta.name, meta.location))
@@ -123,7 +130,7 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
     if not own:
         return _RuleMarks(None, (), frozenset(sites))
     keep = [True] * num_primals + [False] * (len(pulled.in_avals) - num_primals)
-    jaxpr, _ = _compat.dce(pulled.jaxpr, used, keep)
+    jaxpr, _ = dce(pulled.jaxpr, used, keep)
     return _RuleMarks(jex.ClosedJaxpr(jaxpr, pulled.consts), tuple(own), frozenset(sites))
 
 
@@ -136,7 +143,7 @@ def _as_primal(jaxpr):
     `closed_call` of its primal: a rule as it runs when differentiated once (the rules of the
     functions it calls run only under a second differentiation), and without the recursion of
     a rule that calls its own function."""
-    if _compat.wraps_jaxpr(jaxpr):
+    if wraps_jaxpr(jaxpr):
         new = _as_primal(jaxpr.jaxpr)
         return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
     new = _AS_PRIMAL.get(jaxpr)
@@ -188,7 +195,7 @@ def _exposer(primitive, rule):
         marks = _rule_marks(eqn_params)
         if marks.sites:
             sites = marks.sites
-            kept = _compat.custom_rule_params(
+            kept = params.custom_rule_params(
                 kept, lambda jaxpr: inert(jaxpr, lambda m: (m.name, m.location) in sites)
             )
 
@@ -198,7 +205,7 @@ def _exposer(primitive, rule):
         # The rule's own marks are keys where the rule runs: the `pull` has differentiated
         # inputs. Where it has none, the rule runs only if a differentiation outside the
         # program `pull` returns (`jax.jvp(jax.jit(pull(f)))`) calls it: they stay inert.
-        differentiating = _compat.DIFFERENTIATING.value
+        differentiating = pull_differentiates()
         extra = (marks.jaxpr, marks.metas) if marks.metas and differentiating else None
         return pulled_with_rule(original, primal, args, rule=rule, extra=extra)
 

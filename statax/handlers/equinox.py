@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .. import _equinox
-from ..extend import (
+from statax.extend import (
     call_equation,
     find_saves,
     find_saves_in_impl,
@@ -42,8 +41,9 @@ from ..extend import (
     trace_impl,
     traced_impl,
 )
+from statax.extend import equinox as equinox_internals
 
-_noinline_p, _fn_of = _equinox.equinox_noinline()
+_noinline_p, _fn_of = equinox_internals.equinox_noinline()
 # The function each `noinline` equation calls, traced once: finding its marks and rewriting the
 # call share the trace. Keyed by what the equation calls (its function index, its static params,
 # held so that their id is not reused, and its input types); bounded.
@@ -96,11 +96,11 @@ def _filter_primitive_handler(eqn):
 def _filter_primitive_runs(eqn):
     # The Python functions the primitive runs (a lineax operator's matvec), traced with it:
     # where they touch state, it is threaded through them, and differentiated as written.
-    return trace_impl(eqn, _equinox.impl_of(eqn))
+    return trace_impl(eqn, equinox_internals.impl_of(eqn))
 
 
 register_family(
-    _equinox.is_equinox_primitive,
+    equinox_internals.is_equinox_primitive,
     _filter_primitive_handler,
     find_saves=find_saves_in_impl,
     runs=_filter_primitive_runs,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from ..extend import (
+from statax.extend import (
     HI_PRIMITIVE,
     bind,
     find_saves,

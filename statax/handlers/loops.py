@@ -43,8 +43,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.extend.core.primitives import scan_p, while_p
 
-from .. import _equinox
-from ..extend import (
+from statax.extend import (
     StateError,
     handler_from_exposer,
     mark,
@@ -57,6 +56,7 @@ from ..extend import (
     split_leaves,
     take,
 )
+from statax.extend import equinox as equinox_internals
 
 
 def _scan_exposer(*args, **eqn_params):
@@ -65,7 +65,7 @@ def _scan_exposer(*args, **eqn_params):
     body, metas, ins = pull_jaxpr(parts.jaxpr)
     num_out = len(parts.jaxpr.out_avals)
     init = args[num_consts : num_consts + num_carry]
-    if metas and _equinox.is_bounded_step(parts.jaxpr, init):
+    if metas and equinox_internals.is_bounded_step(parts.jaxpr, init):
         outs, leaves = _bounded_loop_scan(args, parts, body, metas, ins)
         mark(leaves, metas)
         return outs
@@ -199,7 +199,7 @@ def _scan_handler(eqn):
     if (
         body.ins
         or any(m.reduce is not None for m in body.outs)
-        or _equinox.is_bounded_step(
+        or equinox_internals.is_bounded_step(
             parts.jaxpr, [x.aval for x in eqn.invars[parts.num_consts :][: parts.num_carry]]
         )
     ):
@@ -250,7 +250,7 @@ def _while_exposer(*args, **eqn_params):
     # Planted values: one each, used in every iteration.
     cond_planted = take(cond_ins, cond_fn.in_avals[cond_nconsts + n :])
     body_planted = take(body_ins, body_fn.in_avals[body_nconsts + n :])
-    running = _equinox.loop_running(cond_jaxpr, init)
+    running = equinox_internals.loop_running(cond_jaxpr, init)
 
     def evaluate_cond(carry):
         pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry, *cond_planted)
@@ -265,7 +265,7 @@ def _while_exposer(*args, **eqn_params):
             # own state with its per-example flag: mask the intermediates alike.
             ran = carry[running]
             body_leaves = [
-                _equinox.select_if_vmap(ran, b, a)
+                equinox_internals.select_if_vmap(ran, b, a)
                 for a, b in zip(body_old, body_leaves, strict=True)
             ]
         pred, cond_leaves = evaluate_cond(new_carry)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
-from ..extend import (
+from statax.extend import (
     SHARD_MAP_PRIMITIVE,
     handler_from_exposer,
     mark,

@@ -14,7 +14,14 @@ import jax
 from jax.extend import core as jex
 from jax.extend.core.primitives import linear_solve_p
 
-from ..extend import handler_from_exposer, inert, params, pulled_with_rule, register_handler, trace
+from statax.extend import (
+    handler_from_exposer,
+    inert,
+    params,
+    pulled_with_rule,
+    register_handler,
+    trace,
+)
 
 
 def _linear_solve_exposer(*args, **eqn_params):
