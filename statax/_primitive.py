@@ -34,19 +34,21 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat
+from . import _compat, _fastpaths
 from ._meta import ARRAY, NUMBERS, StateMeta, number_as_array, split
 from ._reduce import MODES
 
 # A mark's `status` param, one of three:
 COLLECTING = "collecting"  # bound while a `pull` traces: carries SaveEffect; collected
 IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by a later pull_jaxpr
+UNPULLED = "unpulled"  # as IDLE, on the plain path (fast paths off): an identity with outputs
 INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
 INPUT = "input"  # a value fed in from outside (`_interpreter.take`): never collected
 
 __all__ = [
     "COLLECTING",
     "IDLE",
+    "UNPULLED",
     "INERT",
     "INPUT",
     "batch_first",
@@ -112,7 +114,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         >>> stx.pull(f)(jnp.float32(1.0))
         (Array(3., dtype=float32), {'y_0': Array(2., dtype=float32)})
     """
-    if type(value) is _STAGED_TRACER:
+    if type(value) is _STAGED_TRACER and _fastpaths.on:
         # The common cases, as cheap as they can be (every call counts, in a trace): one array,
         # staged into a jaxpr, at a call site seen before; no pull, or a pull at this level
         # that takes every mark as it is. (Names bound here, not looked up in `_compat`.)
@@ -150,7 +152,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         code = frame.f_code
         inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
         params = _array_params(name, _caller() if inside else (code, frame.f_lineno), reduce)
-        if not inside:  # for the fast path above, next time
+        if not inside and _fastpaths.on:  # for the fast path above, next time
             _remember(code, frame.f_lasti, given_name, reduce, scope, params)
         arrays = [value]
         meta = params["meta"]
@@ -158,7 +160,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     if not _compat.PULLING.value:
-        outs = _stage(arrays, meta, IDLE)
+        outs = _stage(arrays, meta, IDLE if _fastpaths.on else UNPULLED)
         return value if outs is arrays else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and name in planting.names:
@@ -200,11 +202,15 @@ def _stage(arrays: list, meta: StateMeta, status: str) -> list:
     """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`). An idle mark
     defines nothing: it only reads `arrays`, which it returns (see `_compat.observe`), so that a
     mark costs one equation and no other work."""
+    if status == IDLE and not _fastpaths.on:
+        status = UNPULLED  # the plain path: an identity
     params = {"meta": meta, "status": status}
     if status == IDLE:
         if not _compat.observe(save_inter_p, arrays, params):
             save_inter_p.bind(*arrays, **params)
         return arrays
+    if not _fastpaths.on:
+        return save_inter_p.bind(*arrays, **params)
     effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
     outs = _compat.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
@@ -306,7 +312,7 @@ def _outputs(values: list, status: str) -> list:
 
 def collected(params: dict) -> bool:
     """Whether a `pull_jaxpr` collects the mark with these params (before `only=`)."""
-    return params["status"] in (COLLECTING, IDLE)
+    return params["status"] in (COLLECTING, IDLE, UNPULLED)
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -363,14 +369,15 @@ def _batch(axis_size, vals, dims, **params):
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
     # unbatched (as `jacfwd`'s primal is). A value fed in from outside (`INPUT`) is per example:
     # it comes in with the batch axis at 0.
+    # An unpulled mark on the plain path is an identity: the values handed on are its outputs.
     meta, status = params["meta"], params["status"]
     fed = status == INPUT
     if not fed and all(d is None for d in dims):
-        _bind(list(vals), meta, status)
-        return _outputs(vals, status), _outputs(dims, status)
+        outs = _bind(list(vals), meta, status)
+        return (outs if status == UNPULLED else _outputs(vals, status)), _outputs(dims, status)
     moved = batch_first(axis_size, vals, dims)
     outs = _bind(moved, dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1), status)
-    if fed:
+    if fed or status == UNPULLED:
         return outs, [0] * len(outs)
     return _outputs(vals, status), _outputs(dims, status)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _nnx, _plant, _reduce
+from . import _compat, _fastpaths, _nnx, _plant, _reduce
 from ._errors import KeyCollisionError
 from ._interpreter import mark, on_forget, pull_collected, pull_staged, selecting, take
 from ._meta import ARRAY, StateMeta, hashable, keys_of
@@ -97,13 +97,17 @@ class _Pulled:
     @boundary
     def __call__(self, *args, **kwargs):
         known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
-        if known is not None and known[0] == _GENERATION[0] and _compat.eager():
+        if known is not None and known[0] == _GENERATION[0] and _fast() and _compat.eager():
             # An eager call of a pull that has run compiled: straight to it, which takes the
             # call if it is on arrays (see `_run_compiled`).
             result = _run_compiled(known[2], known[1], args, kwargs)
             if result is not None:
                 return result
         return call_pulled(self, args, kwargs)
+
+
+def _fast() -> bool:
+    return _fastpaths.on
 
 
 # The work of a call is in functions, not methods: each method access on an `eqx.Module` builds
@@ -119,7 +123,8 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     root, tree, call = _split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     eager = (
-        values is None
+        _fastpaths.on
+        and values is None
         and pulled.summarize is None
         and pulled.planting is None
         and all(map(_is_array, leaves))
@@ -257,7 +262,7 @@ def _one_jit(entry: _Entry) -> bool:
 
 def _run(pulled, root, call, leaves, treedef, values, eager=False):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
-    if values is None and planting is None and summarize is None:
+    if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _compat.staging_trace()
         if trace is not None and _compat.PLANTING.value is None:
             return _inline(trace, call, leaves, treedef, only, ran)

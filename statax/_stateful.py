@@ -577,6 +577,10 @@ class Threading:
         """name -> the leaves it holds now."""
         return {n: list(self.env[n].leaves) for n in names}
 
+    def batch_ndim(self, name: str) -> int:
+        """How many leading axes of `name`'s value are a `vmap`'s (one value per example)."""
+        return self.env[name].meta.batch_ndim
+
     def shards(self, name: str) -> tuple:
         """The manual mesh axes `name`'s value is split over (one row per shard), or `()`."""
         return self.env[name].shards

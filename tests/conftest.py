@@ -6,3 +6,25 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "fast_paths: checks how a fast path works inside (see statax/_fastpaths.py); skipped "
+        "where they are off (STATAX_FAST_PATHS=0), where the plain paths give the same values "
+        "and keys by other means",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    from statax import _fastpaths
+
+    if _fastpaths.on:
+        return
+    skip = pytest.mark.skip(reason="a fast path's inner working; the fast paths are off")
+    for item in items:
+        if "fast_paths" in item.keywords:
+            item.add_marker(skip)

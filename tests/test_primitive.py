@@ -73,6 +73,7 @@ def test_batching_hands_values_on_with_their_batch_axes():
     assert eqn.invars[0].aval.shape == (3, 2)
 
 
+@pytest.mark.fast_paths
 def test_impl_runs_eagerly():
     # An idle mark (as staged outside a pull) only reads; any other hands its operand on.
     x = jnp.arange(3)
@@ -88,6 +89,7 @@ def _params():
     return jaxpr.eqns[0].params
 
 
+@pytest.mark.fast_paths
 def test_an_unpulled_mark_is_one_equation_that_only_reads():
     # Outside a pull a mark reads its value and defines nothing (no outputs): the program reads
     # on from the value itself, so the jaxpr is the hand-written one plus that equation.
@@ -120,6 +122,7 @@ def _tangent_marked_jvp(primals, tangents):
     return jnp.sin(x), stx.save_inter(jnp.cos(x) * t, name="t")
 
 
+@pytest.mark.fast_paths
 def test_an_unpulled_mark_passes_jaxs_own_checks():
     # However it is staged (directly, on a value an equation made or on an input; or bound,
     # under a transformation), an unpulled mark has no outputs, and JAX's checks of the jaxprs
@@ -166,6 +169,7 @@ def marked_in_scan(x):
     return jax.lax.scan(body, x, None, length=3)[0]
 
 
+@pytest.mark.fast_paths
 def test_unpulled_marks_on_live_values_survive_dead_code_elimination_and_partial_evaluation():
     # A jaxpr traced without a pull keeps its marks on the values the program reads however JAX
     # transforms it: `grad` of a scan evaluates its body partially (hoisting loop-invariant
@@ -191,6 +195,7 @@ def test_unpulled_marks_on_live_values_survive_dead_code_elimination_and_partial
     assert kept.eqns[1].params["meta"].name == "live"
 
 
+@pytest.mark.fast_paths
 def test_an_unpulled_mark_under_checkpoint_is_not_replayed():
     def h(x):
         return jnp.cos(stx.save_inter(jnp.sin(x), name="s"))

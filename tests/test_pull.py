@@ -256,6 +256,7 @@ def test_nested_pull_consumes_its_own_marks():
         assert_tree_allclose(inters, {"outer_0": 102.0})
 
 
+@pytest.mark.fast_paths
 def test_traced_pull_stages_what_returning_the_marks_by_hand_does():
     # Where a jaxpr is being staged, `pull(f)` traces `f` into it and adds nothing.
     def by_hand(x):  # f_two_layers, returning its marks itself
@@ -417,6 +418,7 @@ def _jitted_layers(n):
     return f, ref
 
 
+@pytest.mark.fast_paths
 def test_eager_calls_of_a_jitted_function_run_compiled(monkeypatch):
     import statax._pull as pull_module
 
@@ -460,6 +462,7 @@ def test_eager_calls_that_cannot_run_compiled_evaluate():
         assert_tree_allclose(stx.pull(g)(x), ref(jnp.asarray(x)))
 
 
+@pytest.mark.fast_paths
 def test_a_pull_that_has_run_compiled_takes_any_call_as_its_function_would():
     # A pull that has run compiled sends each eager call straight to its compiled evaluation,
     # checking nothing `jax.jit` does not: what jit refuses, or the evaluation will not trace

@@ -104,31 +104,38 @@ def _merged_metas(metas, leaf_vars):
 
 
 def _thread_state(eqn, invals, threading):
-    # State set inside is per shard: one row per shard, along a new leading axis, split over
-    # the manual mesh axes; each shard reads its own row back in a later shard_map. Other
-    # state comes in whole, the same on every shard.
+    # State set inside is per shard: one row per shard, along a new axis after its batch axes
+    # (a vmap's, first), split over the manual mesh axes; each shard reads its own row back in
+    # a later shard_map. Other state comes in whole, the same on every shard.
     jaxpr, mesh, in_specs, out_specs, check_vma, manual = params.shard_map_parts(eqn.params)
     axes = tuple(a for a in mesh.axis_names if a in manual)
     writes, names = threading.uses(jaxpr).writes, threading.present(jaxpr)
     split = {n: threading.shards(n) == axes for n in names}
     run = threading.threaded(jaxpr, names, writes)
+    batch = {n: meta.batch_ndim for n, (meta, _) in writes.items()}
+    for n in names:
+        batch.setdefault(n, threading.batch_ndim(n))
 
     def body(args, state):
-        state = {n: [x[0] if split[n] else x for x in v] for n, v in state.items()}
+        state = {
+            n: [jnp.squeeze(x, batch[n]) if split[n] else x for x in v] for n, v in state.items()
+        }
         outs, new = run(args, state)
-        return outs, {n: [vary(x[None], axes) for x in v] for n, v in new.items()}
+        return outs, {
+            n: [vary(jnp.expand_dims(x, batch[n]), axes) for x in v] for n, v in new.items()
+        }
 
-    def spec(split_: bool) -> PartitionSpec:
-        return PartitionSpec(axes) if split_ else PartitionSpec()
+    def spec(split_: bool, n: str) -> PartitionSpec:
+        return PartitionSpec(*[None] * batch[n], axes) if split_ else PartitionSpec()
 
     state = threading.values(names)
     outs, new = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(list(in_specs), {n: [spec(split[n])] * len(v) for n, v in state.items()}),
+        in_specs=(list(in_specs), {n: [spec(split[n], n)] * len(v) for n, v in state.items()}),
         out_specs=(
             list(out_specs),
-            {n: [spec(True)] * len(avals) for n, (_, avals) in writes.items()},
+            {n: [spec(True, n)] * len(avals) for n, (_, avals) in writes.items()},
         ),
         check_vma=check_vma,
         axis_names=frozenset(manual),

@@ -99,6 +99,7 @@ def test_branches_saving_different_structures_is_an_error():
         stx.pull(g)(X)
 
 
+@pytest.mark.fast_paths
 def test_cond_without_marks_is_left_alone():
     def g(x):
         return stx.save_inter(lax.cond(x > 0, jnp.sin, jnp.cos, x), name="after")
