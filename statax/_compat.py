@@ -71,6 +71,7 @@ __all__ = [
     "defines_nothing",
     "differentiated",
     "eager",
+    "equations",
     "extend_debug_info",
     "hi_expand",
     "hi_jaxprs",
@@ -91,6 +92,7 @@ __all__ = [
     "register_remat_partial_eval_rule",
     "rebind_vary",
     "register_transpose_rule",
+    "remat_split",
     "restage",
     "scan_params",
     "set_batching_rule",
@@ -119,6 +121,17 @@ JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__[:3])
 jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
 if jaxprs_in_params is None:
     from jax._src.core import jaxprs_in_params  # noqa: F401
+
+
+def equations(jaxpr: Any):
+    """Every equation of `jaxpr` (open or closed) and of the jaxprs in their params, at any
+    depth, in program order (an equation before those inside it)."""
+    if wraps_jaxpr(jaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from equations(sub)
 
 
 def wraps_jaxpr(jaxpr: Any) -> bool:
@@ -221,8 +234,7 @@ STATEFUL = jax_config.string_or_object_state(
 DIFFERENTIATING = jax_config.bool_state(
     "statax_differentiating",
     False,
-    "Internal to statax: true while statax.pull traces a function whose inputs are "
-    "differentiated.",
+    "Internal to statax: true while statax.pull traces a function whose inputs are differentiated.",
     include_in_trace_context=True,
 )
 
@@ -378,6 +390,24 @@ def _live_anyway(operands: Sequence[Any], frame) -> bool:
     if not isinstance(env, dict):
         return False
     return all(env.get(v, False) for v in operands if isinstance(v, jex.Var))
+
+
+def remat_split(eqn: jex.JaxprEqn, inst_in: Sequence[bool], unknown: bool, replay=None) -> tuple:
+    """What a `jax.checkpoint` partial-evaluation rule returns for `eqn`, an equation whose
+    outputs have its inputs' types: with `unknown` inputs, staged whole (its known inputs the
+    residuals); else run once in the forward pass, and in the backward pass `replay` (an
+    equation, or `None` for nothing: its outputs are then known)."""
+    residuals = [
+        v
+        for v, inst in zip(eqn.invars, inst_in, strict=True)
+        if isinstance(v, jex.Var) and not inst
+    ]
+    n = len(eqn.outvars)
+    if unknown:
+        return None, eqn, [True] * n, [True] * n, residuals
+    if replay is None:
+        return eqn, None, [False] * n, [False] * n, []
+    return eqn, replay, [False] * n, [True] * n, residuals
 
 
 def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> None:

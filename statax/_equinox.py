@@ -108,13 +108,7 @@ def _loop_carry(init: Sequence[Any], prev: bool = True) -> bool:
 
 def _calls(jaxpr: jex.Jaxpr, name: str) -> bool:
     """Whether `jaxpr` binds the primitive called `name`, at any depth."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return True
-        for sub in _compat.jaxprs_in_params(eqn.params):
-            if _calls(sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub, name):
-                return True
-    return False
+    return any(eqn.primitive.name == name for eqn in _compat.equations(jaxpr))
 
 
 def loop_running(cond_jaxpr: jex.ClosedJaxpr, init: Sequence[Any]) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ._meta import StateMeta
+from ._meta import StateMeta, kinds_str
 
 __all__ = [
     "BranchMismatchError",
@@ -88,8 +88,7 @@ class BranchMismatchError(TypeError):
 
     def __init__(self, meta_a: StateMeta, avals_a, meta_b: StateMeta, avals_b):
         def kind(meta, avals):
-            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
-            return f"{meta.treedef} of ({shapes})"
+            return f"{meta.treedef} of {kinds_str(avals)}"
 
         super().__init__(
             f"The branches of a cond/switch save different values as {meta_a.name!r}: "

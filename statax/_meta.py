@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of", "split"]
 
@@ -135,6 +136,28 @@ class StateMeta:
 
     def __repr__(self) -> str:
         return f"StateMeta(name={self.name!r}, arrays={self.num_arrays}, at {self.location})"
+
+
+def kind_str(shape: Sequence[int], dtype: Any) -> str:
+    """An array's kind as statax's messages write it: `float32[3, 2]`."""
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+def kinds_str(avals: Sequence[Any]) -> str:
+    """`(float32[3], int32[])`: the kinds of values with a `shape` and a `dtype`."""
+    return "(" + ", ".join(kind_str(a.shape, a.dtype) for a in avals) + ")"
+
+
+def occurrences(metas: Sequence[StateMeta]) -> list[tuple[str, int]]:
+    """`(name, n)` of each meta: its name, and which occurrence of it it is, counted from 0 in
+    order (as `pull` keys them `name_n`)."""
+    seen: dict[str, int] = {}
+    out = []
+    for meta in metas:
+        n = seen.get(meta.name, 0)
+        seen[meta.name] = n + 1
+        out.append((meta.name, n))
+    return out
 
 
 def keys_of(metas: Sequence[StateMeta]) -> list[str]:

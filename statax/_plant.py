@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import PlantError
-from ._meta import ARRAY, StateMeta, keys_of, unwrap
+from ._meta import ARRAY, StateMeta, keys_of, kind_str, kinds_str, unwrap
 from ._primitive import INPUT, save_inter_p
 
 __all__ = ["Add", "Planting", "feed"]
@@ -102,20 +102,18 @@ def in_meta(meta: StateMeta) -> StateMeta:
 def _hooked(meta, hook, value, arrays) -> list:
     new = hook(value)
     leaves, treedef = jax.tree_util.tree_flatten(new)
-    got = [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-    want = [(jnp.shape(x), x.dtype) for x in arrays]
-    if treedef != meta.treedef or got != want:
+    got = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    want = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in arrays]
+    if treedef != meta.treedef or [(a.shape, a.dtype) for a in got] != [
+        (a.shape, a.dtype) for a in want
+    ]:
         raise PlantError(
             f"stx.plant: the hook {hook!r} for {meta.name!r} (save_inter at {meta.location}) "
-            f"returned {_kinds(got)} of structure {treedef}; the marked value is "
-            f"{_kinds(want)} of structure {meta.treedef}. A hook must return a value of the same "
-            "shape, dtype and structure."
+            f"returned {kinds_str(got)} of structure {treedef}; the marked value is "
+            f"{kinds_str(want)} of structure {meta.treedef}. A hook must return a value of the "
+            "same shape, dtype and structure."
         )
     return leaves
-
-
-def _kinds(pairs) -> str:
-    return "(" + ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in pairs) + ")"
 
 
 def feed(
@@ -206,10 +204,10 @@ def _replacement(key, meta, replacement, avals) -> list:
         if not dtype_ok or shape not in (aval.shape, unbatched):
             raise PlantError(
                 f"stx.plant: the replacement for {key!r} (save_inter at {meta.location}) is "
-                f"{_kinds([(shape, jnp.result_type(x))])}; expected "
-                f"{_kinds([(aval.shape, aval.dtype)])}"
+                f"({kind_str(shape, jnp.result_type(x))}); expected "
+                f"({kind_str(aval.shape, aval.dtype)})"
                 + (
-                    f" (or {_kinds([(unbatched, aval.dtype)])}, broadcast over the batch)"
+                    f" (or ({kind_str(unbatched, aval.dtype)}), broadcast over the batch)"
                     if meta.batch_ndim
                     else ""
                 )

@@ -390,22 +390,16 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # ("known") pass as it is; the copy that rematerialisation replays in the backward
     # ("staged") pass is inert, so that the value is collected once. With unknown inputs it is
     # staged whole.
-    residuals = [
-        v
-        for v, inst in zip(eqn.invars, inst_in, strict=True)
-        if isinstance(v, jex.Var) and not inst
-    ]
-    n = len(eqn.outvars)
     if any(unks_in):
-        return None, eqn, [True] * n, [True] * n, residuals
+        return _compat.remat_split(eqn, inst_in, unknown=True)
     if eqn.params["status"] == INPUT:  # a value fed in: kept for the backward pass, not rerun
-        return eqn, None, [False] * n, [False] * n, []
+        return _compat.remat_split(eqn, inst_in, unknown=False)
     if _compat.defines_nothing(eqn):  # an idle mark that only reads: nothing to replay
-        return eqn, None, [False] * n, [False] * n, []
+        return _compat.remat_split(eqn, inst_in, unknown=False)
     params = dict(eqn.params, status=INERT)
     _, effects = save_inter_p.abstract_eval(*[x.aval for x in eqn.invars], **params)
     staged = eqn.replace(params=params, effects=effects)
-    return eqn, staged, [False] * n, [True] * n, residuals
+    return _compat.remat_split(eqn, inst_in, unknown=False, replay=staged)
 
 
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)

@@ -49,7 +49,7 @@ from ._interpreter import (
     take,
     zero_tangent,
 )
-from ._meta import ARRAY, StateMeta, number_as_array, split
+from ._meta import ARRAY, StateMeta, kind_str, number_as_array, split
 from ._primitive import IDLE, _caller_location, batch_first, save_inter_p
 from ._tracebacks import boundary
 
@@ -96,7 +96,7 @@ def _check_name(name: Any, what: str) -> str:
 
 
 def _kind(meta: StateMeta, avals: Sequence) -> str:
-    shapes = iter(f"{a.dtype}{list(a.shape)}" for a in avals)
+    shapes = iter(kind_str(a.shape, a.dtype) for a in avals)
     leaves = [
         next(shapes) if s is ARRAY else repr(getattr(s, "value", s)) for s in meta.static_leaves
     ]
@@ -850,15 +850,7 @@ _compat.register_batching_rule(set_state_p, _set_batch)
 def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # Under `jax.checkpoint`'s partial evaluation, a read or a write with known inputs happens
     # once, in the forward pass: the backward pass reuses what it read, and sets nothing again.
-    n = len(eqn.outvars)
-    if any(unks_in):
-        residuals = [
-            v
-            for v, inst in zip(eqn.invars, inst_in, strict=True)
-            if isinstance(v, jex.Var) and not inst
-        ]
-        return None, eqn, [True] * n, [True] * n, residuals
-    return eqn, None, [False] * n, [False] * n, []
+    return _compat.remat_split(eqn, inst_in, unknown=any(unks_in))
 
 
 _compat.register_remat_partial_eval_rule(get_state_p, _remat_partial_eval)

@@ -648,6 +648,8 @@ def test_state_in_a_lineax_matvec_is_threaded():
     lu = lx.LU()
     tangent = jax.jvp(lambda b: stx.stateful(counted_solve)(b, lu)[0], (B,), (jnp.ones(3),))[1]
     assert_tree_allclose(tangent, jnp.linalg.solve(A, jnp.ones(3)), rtol=1e-5)
+    if tuple(map(int, lx.__version__.split(".")[:3])) < (0, 1, 1):
+        return  # lineax 0.1.0 (the newest for JAX 0.8) transposes the operator it was given
     grad = jax.grad(lambda b: stx.stateful(counted_solve)(b, lu)[0].sum())(B)
     assert_tree_allclose(grad, jnp.linalg.solve(A.T, jnp.ones(3)), rtol=1e-5)
 

@@ -31,17 +31,11 @@ def program(fn, *args) -> list[str]:
     left out: what a library that looks at the program sees of it."""
     closed = jax.make_jaxpr(fn)(*args)
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    names = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is not stx.extend.save_inter_p:
-                names.append(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(getattr(sub, "jaxpr", sub))
-
-    walk(jaxpr)
-    return names
+    return [
+        eqn.primitive.name
+        for eqn in stx.extend.equations(jaxpr)
+        if eqn.primitive is not stx.extend.save_inter_p
+    ]
 
 
 def assert_unobservable(make, *args):

@@ -18,6 +18,7 @@ from .._compat import SHARD_MAP_PRIMITIVE as SHARD_MAP_PRIMITIVE
 from .._compat import SymbolicZero as SymbolicZero
 from .._compat import bind as bind
 from .._compat import dce as dce
+from .._compat import equations as equations
 from .._compat import trace as trace
 from .._compat import vary as vary
 from .._compat import wraps_jaxpr as wraps_jaxpr
@@ -58,6 +59,7 @@ from .._interpreter import unregister_handler as unregister_handler
 from .._interpreter import zero_tangent as zero_tangent
 from .._meta import ARRAY as ARRAY
 from .._meta import StateMeta as StateMeta
+from .._meta import occurrences as occurrences
 from .._primitive import save_inter_p as save_inter_p
 from .._stateful import Threading as Threading
 from . import equinox as equinox
@@ -84,6 +86,7 @@ __all__ = [
     "call_equation",
     "current_selection",
     "dce",
+    "equations",
     "equinox",
     "extend_equation",
     "find_saves",
@@ -92,6 +95,7 @@ __all__ = [
     "inert",
     "map_jaxprs",
     "mark",
+    "occurrences",
     "on_forget",
     "only_in",
     "params",

@@ -27,6 +27,7 @@ from statax.extend import (
     BranchMismatchError,
     StateError,
     mark,
+    occurrences,
     params,
     pull_jaxpr,
     register_exposer,
@@ -40,10 +41,9 @@ def _slots(per_branch_metas, per_branch_avals):
     """{key: (meta, avals)} over all branches, and per branch {key: index of its meta}."""
     slots, per_branch = {}, []
     for metas, flat_avals in zip(per_branch_metas, per_branch_avals, strict=True):
-        counts, where = {}, {}
-        for i, (meta, avals) in enumerate(zip(metas, split_leaves(flat_avals, metas), strict=True)):
-            n = counts.get(meta.name, 0)
-            counts[meta.name] = n + 1
+        where = {}
+        pairs = zip(occurrences(metas), metas, split_leaves(flat_avals, metas), strict=True)
+        for i, ((_, n), meta, avals) in enumerate(pairs):
             # A reduced name has one accumulator per branch, zeros (no occurrence) if absent.
             key = (meta.name, n if meta.reduce is None else "reduced")
             where[key] = i

@@ -29,7 +29,6 @@ marks are collected where they run.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from typing import NamedTuple
 
 from jax.extend import core as jex
@@ -41,10 +40,12 @@ from statax.extend import (
     bind,
     current_selection,
     dce,
+    equations,
     find_saves,
     handler_from_exposer,
     inert,
     map_jaxprs,
+    occurrences,
     on_forget,
     params,
     pull_differentiates,
@@ -101,7 +102,7 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
         return _NONE
     primal_marks = find_saves(params.custom_primal(eqn_params))
     reduced = {m.name for m in primal_marks if m.reduce is not None}
-    if set(_slots(found)) <= set(_slots(primal_marks)) | {
+    if set(occurrences(found)) <= set(occurrences(primal_marks)) | {
         (m.name, 0) for m in found if m.name in reduced
     }:
         # Every mark of the rule is one of the primal's (a rule that calls its function, as
@@ -112,10 +113,11 @@ def _find_rule_marks(eqn_params: dict, rule: jex.ClosedJaxpr) -> _RuleMarks:
     num_primals = params.custom_rule_inputs(eqn_params)
     # The primal's slots: (name, occurrence) -> the avals of its leaves.
     primal_avals = tuple(primal.jaxpr.out_avals[len(params.custom_primal(eqn_params).out_avals) :])
-    slots = dict(zip(_slots(primal.outs), split_leaves(primal_avals, primal.outs), strict=True))
+    leaf_avals = split_leaves(primal_avals, primal.outs)
+    slots = dict(zip(occurrences(primal.outs), leaf_avals, strict=True))
     outs = split_leaves(range(len(rule.out_avals), len(pulled.out_avals)), metas)
     own, sites, used = [], set(), [False] * len(pulled.out_avals)
-    for slot, meta, out in zip(_slots(metas), metas, outs, strict=True):
+    for slot, meta, out in zip(occurrences(metas), metas, outs, strict=True):
         start, stop = out.start, out.stop
         avals = tuple(pulled.out_avals[start:stop])
         leaves = [i in out for i in range(len(pulled.out_avals))]
@@ -166,25 +168,11 @@ def _eqn_as_primal(eqn: jex.JaxprEqn) -> jex.JaxprEqn:
 def _jaxpr_marks(jaxpr) -> list[StateMeta]:
     """The marks of `jaxpr` and of the jaxprs in its equations' params, not looking into the
     Python impls of primitives (tracing each would cost as much as tracing the program)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is save_inter_p:
-            if acts_on(eqn.params):
-                found.append(eqn.params["meta"])
-        else:
-            for sub in params.jaxprs_in_params(eqn.params):
-                found.extend(_jaxpr_marks(sub))
-    return found
-
-
-def _slots(metas) -> list[tuple[str, int]]:
-    """`(name, occurrence)` of each meta, occurrences counted per name in order."""
-    seen: Counter = Counter()
-    slots = []
-    for meta in metas:
-        slots.append((meta.name, seen[meta.name]))
-        seen[meta.name] += 1
-    return slots
+    return [
+        eqn.params["meta"]
+        for eqn in equations(jaxpr)
+        if eqn.primitive is save_inter_p and acts_on(eqn.params)
+    ]
 
 
 def _exposer(primitive, rule):
