@@ -19,13 +19,22 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend import core as jex
 
-# Private modules, present in every supported version (0.8.0 -- 0.10.x).
+# Public modules of JAX's (`jax.interpreters`, `jax.extend`) for what they hold, in every
+# supported version (0.8.0 -- 0.12): the rule tables, `dce_jaxpr`, tracing to a jaxpr.
+from jax.extend import linear_util as linear_util_api  # isort: skip
+from jax.extend import source_info_util as source_info_api  # isort: skip
+from jax.interpreters import ad as ad_api  # isort: skip
+from jax.interpreters import batching as batching_api  # isort: skip
+from jax.interpreters import mlir as mlir_api  # isort: skip
+from jax.interpreters import partial_eval as pe_api  # isort: skip
+
+# Private modules, present in every supported version (0.8.0 -- 0.12), for the rest.
 from jax._src import api_util  # isort: skip
 from jax._src import config as jax_config  # isort: skip
 from jax._src import core, dispatch, source_info_util  # isort: skip
 from jax._src import effects as effects_lib  # isort: skip
 from jax._src import linear_util as lu  # isort: skip
-from jax._src.interpreters import ad, batching, mlir  # isort: skip
+from jax._src.interpreters import ad, batching  # isort: skip
 from jax._src.interpreters import partial_eval as pe  # isort: skip
 from jax._src.lax import lax as lax_internal  # isort: skip
 
@@ -238,13 +247,13 @@ DIFFERENTIATING = jax_config.bool_state(
     include_in_trace_context=True,
 )
 
-_DIFFERENTIATION_TRACERS = (ad.JVPTracer, ad.LinearizeTracer)  # JAX 0.8 -- 0.12
+_DIFFERENTIATION_TRACERS = (ad_api.JVPTracer, ad.LinearizeTracer)  # JAX 0.8 -- 0.12
 
 
 def differentiated(x: Any) -> bool:
     """Whether `x` is a tracer of a differentiation (`jvp`, `linearize`, and so `grad`), maybe
     under other transformations (a `vmap` of it: a tracer whose `val` is one)."""
-    while isinstance(x, core.Tracer):
+    while isinstance(x, jax.core.Tracer):
         if isinstance(x, _DIFFERENTIATION_TRACERS):
             return True
         x = getattr(x, "val", None)
@@ -274,21 +283,23 @@ from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED_SHARDING  # noqa:
 def register_lowering_identity(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
     """Lower `prim` to no op at all: its outputs are its operands, or, where
     `only_reads(params)`, it has none."""
-    mlir.register_lowering(prim, lambda ctx, *xs, **params: [] if only_reads(params) else list(xs))
+    mlir_api.register_lowering(
+        prim, lambda ctx, *xs, **params: [] if only_reads(params) else list(xs)
+    )
 
 
 def register_lowering(prim: jex.Primitive, rule: Callable) -> None:
     """Lower `prim` with `rule(ctx, *xs, **params)` (for statax's state primitives, which only
     raise: they never reach a compiler)."""
-    mlir.register_lowering(prim, rule)
+    mlir_api.register_lowering(prim, rule)
 
 
 def register_jvp_rule(prim: jex.Primitive, rule: Callable) -> None:
-    ad.primitive_jvps[prim] = rule
+    ad_api.primitive_jvps[prim] = rule
 
 
 def register_transpose_rule(prim: jex.Primitive, rule: Callable) -> None:
-    ad.primitive_transposes[prim] = rule
+    ad_api.primitive_transposes[prim] = rule
 
 
 # Since JAX 0.9 (or so) a linearization rule takes `is_vjp` first; since JAX 0.11.2 it also
@@ -324,7 +335,7 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     def fancy(axis_data, vals, dims, **params):
         return rule(axis_data.size, vals, dims, **params)
 
-    batching.fancy_primitive_batchers[prim] = fancy
+    batching_api.fancy_primitive_batchers[prim] = fancy
 
 
 def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
@@ -333,11 +344,11 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
     dead wherever it looks for dead code. Elsewhere an equation of `prim` is treated as any
     other. Three of JAX's rule tables (JAX 0.8 -- 0.12):
 
-    * dead-code elimination (`pe.dce_rules`; a rule takes `(used_outputs, eqn)` to 0.11 and
+    * dead-code elimination (`pe_api.dce_rules`; a rule takes `(used_outputs, eqn)` to 0.11 and
       `(used_outputs, live_inputs, eqn)` in 0.12), which keeps it only where the values it
       reads are live without it (`_live_anyway`): it never keeps alive what JAX would drop;
     * partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work, `linearize`
-      of a primitive without a rule of its own; `pe.custom_partial_eval_rules`), which keeps
+      of a primitive without a rule of its own; `pe_api.custom_partial_eval_rules`), which keeps
       the equation as it keeps an effectful one, in `effect_handles`, staged as
       `JaxprTrace.default_process_primitive` stages one, since no output tracer holds it;
     * staging a bind into a jaxpr (`eval_jaxpr` of a jaxpr holding it, a rule that binds it;
@@ -361,7 +372,7 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
             return trace.default_process_primitive(prim, tracers, params)
         tracers = [trace.instantiate_const(t) for t in tracers]
         name_stack = trace._current_truncated_name_stack()
-        source = source_info_util.current().replace(name_stack=name_stack)
+        source = source_info_api.current().replace(name_stack=name_stack)
         recipe = pe.new_eqn_recipe(trace, tracers, [], prim, params, NO_EFFECTS, source)
         trace.effect_handles.append(pe.EffectHandle(tracers, recipe))
         return []
@@ -372,8 +383,8 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
             return []
         return trace.default_process_primitive(prim, list(tracers), params, source_info)
 
-    pe.dce_rules[prim] = dce
-    pe.custom_partial_eval_rules[prim] = partial_eval
+    pe_api.dce_rules[prim] = dce
+    pe_api.custom_partial_eval_rules[prim] = partial_eval
     pe.custom_staging_rules[prim] = staging
 
 
@@ -414,7 +425,7 @@ def register_remat_partial_eval_rule(prim: jex.Primitive, rule: Callable) -> Non
     """Register `rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn, unks_out,
     inst_out, residuals)`, how `jax.checkpoint`'s partial evaluation splits an equation of
     `prim` (signature unchanged in JAX 0.8 -- 0.12)."""
-    pe.partial_eval_jaxpr_custom_rules[prim] = rule
+    pe_api.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
 def trace(
@@ -424,8 +435,10 @@ def trace(
     weak types included, which `jax.make_jaxpr` of `ShapeDtypeStruct`s would not keep), without
     `jax.make_jaxpr`'s work around the trace (a `jit` object, argument names from a signature).
     With `source`, JAX's messages name that function (`"f at file.py:3"`) rather than `name`."""
-    wrapped = lu.wrap_init(lambda *args: list(fn(*args)), debug_info=debug_info(name, source))
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    wrapped = linear_util_api.wrap_init(
+        lambda *args: list(fn(*args)), debug_info=debug_info(name, source)
+    )
+    jaxpr, _, consts = pe_api.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
 
 
@@ -499,13 +512,13 @@ def _tracing_all(args: Sequence[Any]) -> Any:
     if type(trace) is not pe.DynamicJaxprTrace:
         return None
     for x in args:
-        if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
+        if type(x) is not pe_api.DynamicJaxprTracer or x._trace is not trace:
             return None
     return trace
 
 
 # The type of a tracer of a jaxpr being staged (`DynamicJaxprTracer`, JAX 0.8 -- 0.12).
-STAGED_TRACER = pe.DynamicJaxprTracer
+STAGED_TRACER = pe_api.DynamicJaxprTracer
 
 
 def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
@@ -651,14 +664,14 @@ def _held(entry: Any) -> Any:
 
 def var_of(trace: Any, x: Any) -> Any:
     """The variable `x` is in `trace`'s jaxpr, if `x` is one of its tracers; else `None`."""
-    if type(x) is pe.DynamicJaxprTracer and x._trace is trace:
+    if type(x) is pe_api.DynamicJaxprTracer and x._trace is trace:
         return x.val
     return None
 
 
 def tracer_of(trace: Any, var: Any) -> Any:
     """A tracer of `trace` for `var`, a variable (or literal) of its jaxpr (JAX 0.8 -- 0.12)."""
-    return pe.DynamicJaxprTracer(trace, var.aval, var)
+    return pe_api.DynamicJaxprTracer(trace, var.aval, var)
 
 
 def abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:
@@ -689,15 +702,15 @@ def bind(prim: jex.Primitive, args: Sequence[Any], params: dict) -> Any:
 def batching_rule(prim: jex.Primitive) -> Callable | None:
     """`prim`'s batching rule, `rule(axis_data, args, dims, **params) -> (outs, out_dims)`
     (JAX's "fancy" batchers, 0.5+), or `None`."""
-    return batching.fancy_primitive_batchers.get(prim)
+    return batching_api.fancy_primitive_batchers.get(prim)
 
 
 def set_batching_rule(prim: jex.Primitive, rule: Callable | None) -> None:
     """Set (or, with `None`, remove) a rule of the kind `batching_rule` returns."""
     if rule is None:
-        batching.fancy_primitive_batchers.pop(prim, None)
+        batching_api.fancy_primitive_batchers.pop(prim, None)
     else:
-        batching.fancy_primitive_batchers[prim] = rule
+        batching_api.fancy_primitive_batchers[prim] = rule
 
 
 def batched_outputs(closed: jex.ClosedJaxpr, axis_data: Any, in_batched: Sequence[bool]) -> list:
@@ -897,7 +910,7 @@ def custom_rule_params(params: dict, transform: Callable) -> dict:
         jaxpr, *rest = traced.call_wrapped(*flags)
         return (transform(jaxpr), *rest)
 
-    return dict(params, **{key: lu.wrap_init(rule, debug_info=traced.debug_info)})
+    return dict(params, **{key: linear_util_api.wrap_init(rule, debug_info=traced.debug_info)})
 
 
 def zeros(aval: Any) -> jax.Array:
@@ -910,8 +923,10 @@ def dce(
     jaxpr: jex.Jaxpr, used_outputs: Sequence[bool], keep: bool | Sequence[bool] = False
 ) -> tuple[jex.Jaxpr, list[bool]]:
     """`jaxpr` with only `used_outputs`, and which inputs it still takes: those they use and
-    those `keep` keeps. `pe.dce_jaxpr`, unchanged in JAX 0.8 -- 0.12."""
-    return pe.dce_jaxpr(jaxpr, list(used_outputs), keep if isinstance(keep, bool) else list(keep))
+    those `keep` keeps. `pe_api.dce_jaxpr`, unchanged in JAX 0.8 -- 0.12."""
+    return pe_api.dce_jaxpr(
+        jaxpr, list(used_outputs), keep if isinstance(keep, bool) else list(keep)
+    )
 
 
 class LinearSolveParts(NamedTuple):
@@ -1089,4 +1104,4 @@ def extend_debug_info(
 
 def user_context(eqn: jex.JaxprEqn):
     """Attribute errors raised while handling `eqn` to the user's line that made it."""
-    return source_info_util.user_context(eqn.source_info.traceback)
+    return source_info_api.user_context(eqn.source_info.traceback)

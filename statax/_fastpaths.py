@@ -25,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from jax._src import core, source_info_util  # isort: skip
-from jax._src.interpreters import partial_eval as pe  # isort: skip
+from . import _compat
+
+# JAX's private modules, as `_compat` (the one module that imports them) holds them.
+core, pe, source_info_util = _compat.core, _compat.pe, _compat.source_info_util
 
 __all__ = ["enabled", "on", "probe"]
 
