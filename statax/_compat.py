@@ -1,9 +1,12 @@
-"""The one module that touches JAX internals.
+"""Version shims: what statax reads of JAX that is private or changes between releases.
 
-Every use of `jax._src` or of a version-specific signature lives here, each with the JAX
-versions it was written against, so that a new JAX release is an afternoon's work: run the
-tests, fix this file. Everything else in statax imports only public JAX
-(`jax`, `jax.extend.core`, `jax.tree_util`) and this module.
+Each name here hides one such thing (a param's name, a rule table's signature, where a
+primitive lives), with the JAX versions it was written against, so that a new JAX release is
+an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
+does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
+that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
+`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
+of them reads (`tools/private_names.py`).
 
 Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
 on the version or on behaviour says, in a comment, which versions each side covers.
@@ -12,7 +15,6 @@ on the version or on behaviour says, in a comment, which versions each side cove
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,11 +33,10 @@ from jax.interpreters import partial_eval as pe_api  # isort: skip
 # Private modules, present in every supported version (0.8.0 -- 0.12), for the rest.
 from jax._src import api_util  # isort: skip
 from jax._src import config as jax_config  # isort: skip
-from jax._src import core, dispatch, source_info_util  # isort: skip
+from jax._src import core  # isort: skip
 from jax._src import effects as effects_lib  # isort: skip
 from jax._src import linear_util as lu  # isort: skip
 from jax._src.interpreters import ad, batching  # isort: skip
-from jax._src.interpreters import partial_eval as pe  # isort: skip
 from jax._src.lax import lax as lax_internal  # isort: skip
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "SELECTION",
     "DIFFERENTIATING",
     "SHARD_MAP_PRIMITIVE",
-    "STAGED_TRACER",
     "STATEFUL",
     "STATE_EFFECT",
     "UNSPECIFIED_SHARDING",
@@ -59,7 +59,6 @@ __all__ = [
     "ShardMapParts",
     "VARY_PRIMITIVES",
     "WhileParts",
-    "as_equation",
     "batch_traced",
     "batched_outputs",
     "batching_rule",
@@ -71,13 +70,8 @@ __all__ = [
     "current_trace",
     "custom_params",
     "custom_primal",
-    "custom_rule",
-    "custom_rule_in_library",
-    "custom_rule_inputs",
-    "custom_rule_params",
     "dce",
     "debug_info",
-    "defines_nothing",
     "differentiated",
     "eager",
     "equations",
@@ -91,32 +85,22 @@ __all__ = [
     "linear_solve_params",
     "linear_solve_parts",
     "new_equation",
-    "observe",
-    "observe_staged",
     "register_batching_rule",
     "register_jvp_rule",
     "register_lowering",
     "register_lowering_identity",
-    "register_readers",
     "register_remat_partial_eval_rule",
     "rebind_vary",
     "register_transpose_rule",
     "remat_split",
-    "restage",
     "scan_params",
     "set_batching_rule",
     "scan_parts",
     "shard_map_manual_axes",
     "shard_map_parts",
-    "staged",
-    "staged_as_held",
-    "staging_trace",
     "trace_context",
     "trace",
-    "trace_length",
-    "tracer_of",
     "user_context",
-    "var_of",
     "vary",
     "while_parts",
     "wraps_jaxpr",
@@ -338,71 +322,6 @@ def register_batching_rule(prim: jex.Primitive, rule: Callable) -> None:
     batching_api.fancy_primitive_batchers[prim] = fancy
 
 
-def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) -> None:
-    """Keep the equations of `prim` where `only_reads(params)`: one with no outputs and no
-    effect, which only reads its operands (as `observe` stages it), and which JAX would drop as
-    dead wherever it looks for dead code. Elsewhere an equation of `prim` is treated as any
-    other. Three of JAX's rule tables (JAX 0.8 -- 0.12):
-
-    * dead-code elimination (`pe_api.dce_rules`; a rule takes `(used_outputs, eqn)` to 0.11 and
-      `(used_outputs, live_inputs, eqn)` in 0.12), which keeps it only where the values it
-      reads are live without it (`_live_anyway`): it never keeps alive what JAX would drop;
-    * partial evaluation by `JaxprTrace` (`scan` hoisting its loop-invariant work, `linearize`
-      of a primitive without a rule of its own; `pe_api.custom_partial_eval_rules`), which keeps
-      the equation as it keeps an effectful one, in `effect_handles`, staged as
-      `JaxprTrace.default_process_primitive` stages one, since no output tracer holds it;
-    * staging a bind into a jaxpr (`eval_jaxpr` of a jaxpr holding it, a rule that binds it;
-      `pe.custom_staging_rules`, `(trace, source_info, *tracers, **params)`), held as `observe`
-      holds it, whatever the frame's auto-DCE (`linearize` traces tangents into a frame that
-      drops what no output reads)."""
-
-    def dce(used_outputs, *rest):
-        eqn = rest[-1]
-        if only_reads(eqn.params):
-            if _live_anyway(eqn.invars, sys._getframe(1)):
-                return [True] * len(eqn.invars), eqn
-            return [False] * len(eqn.invars), None
-        return pe._default_dce_rule(used_outputs, *rest)
-
-    def partial_eval(trace, *tracers, **params):
-        if not only_reads(params):
-            return trace.default_process_primitive(prim, tracers, params)
-        tracers = [trace.to_jaxpr_tracer(t) for t in tracers]
-        if all(t.pval.is_known() for t in tracers):
-            return trace.default_process_primitive(prim, tracers, params)
-        tracers = [trace.instantiate_const(t) for t in tracers]
-        name_stack = trace._current_truncated_name_stack()
-        source = source_info_api.current().replace(name_stack=name_stack)
-        recipe = pe.new_eqn_recipe(trace, tracers, [], prim, params, NO_EFFECTS, source)
-        trace.effect_handles.append(pe.EffectHandle(tracers, recipe))
-        return []
-
-    def staging(trace, source_info, *tracers, **params):
-        if only_reads(params):
-            _stage_observer(trace, prim, list(tracers), params, source_info)
-            return []
-        return trace.default_process_primitive(prim, list(tracers), params, source_info)
-
-    pe_api.dce_rules[prim] = dce
-    pe_api.custom_partial_eval_rules[prim] = partial_eval
-    pe.custom_staging_rules[prim] = staging
-
-
-def _live_anyway(operands: Sequence[Any], frame) -> bool:
-    """Whether every operand of an equation that only reads them is live without it, in the
-    dead-code elimination `frame` is running: `pe._dce_jaxpr`, whose local `env` maps each
-    variable to whether an equation after this one reads it (JAX 0.8 -- 0.12; equations are
-    visited last to first, and a value is marked where it is made, before the program reads
-    on). Where that is not what `frame` shows, it says no: the equation is dropped, as any
-    equation that defines nothing is, so that it never keeps a value alive that JAX would
-    have dropped (which a library can observe: Flax's `nn.scan` refuses a broadcast that
-    depends on the carry)."""
-    env = frame.f_locals.get("env") if frame.f_code.co_name == "_dce_jaxpr" else None
-    if not isinstance(env, dict):
-        return False
-    return all(env.get(v, False) for v in operands if isinstance(v, jex.Var))
-
-
 def remat_split(eqn: jex.JaxprEqn, inst_in: Sequence[bool], unknown: bool, replay=None) -> tuple:
     """What a `jax.checkpoint` partial-evaluation rule returns for `eqn`, an equation whose
     outputs have its inputs' types: with `unknown` inputs, staged whole (its known inputs the
@@ -474,204 +393,6 @@ def eager() -> bool:
 
 
 NO_EFFECTS = core.no_effects
-
-
-def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> list | None:
-    """Stage an equation of `prim`, whose outputs have its inputs' types (an identity), into the
-    jaxpr trace in force, when every one of `args` is a tracer of it: as `prim.bind` would, less
-    its generic work (abstract evaluation, constant folding, checks that do not apply, the
-    Python traceback). `None` elsewhere: then bind. (`DynamicJaxprTrace.emit_eqn`, and the
-    source info context, the same in JAX 0.8 -- 0.12.)"""
-    trace = _tracing_all(args)
-    if trace is None:
-        return None
-    avals = [x.aval for x in args]
-    # The context's source info (its name stack) without the Python traceback, which costs
-    # as much as the rest: a mark lowers to nothing, and its meta has its location.
-    source_info = source_info_util._source_info_context.context
-    return trace.emit_eqn(list(args), avals, prim, params, effects, source_info)
-
-
-def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
-    """Stage an equation of `prim` that reads `args` and defines nothing (it has no outputs:
-    `prim`'s rules give none for `params`), into the jaxpr trace in force, when every one of
-    `args` is a tracer of it; `False` elsewhere (then bind). The program reads on from `args`
-    themselves, so the equation costs no variable or tracer; the frame holds it whatever its
-    auto-DCE (as `DynamicJaxprTrace.emit_eqn` holds an effectful one, in JAX 0.8 -- 0.12), and
-    `prim`'s rules keep it (`register_readers`)."""
-    trace = _tracing_all(args)
-    if trace is None:
-        return False
-    _stage_observer(trace, prim, list(args), params)
-    return True
-
-
-def _tracing_all(args: Sequence[Any]) -> Any:
-    """The jaxpr trace in force, if every one of `args` is a tracer of it; else `None`."""
-    trace = _TRACE.value
-    if type(trace) is not pe.DynamicJaxprTrace:
-        return None
-    for x in args:
-        if type(x) is not pe_api.DynamicJaxprTracer or x._trace is not trace:
-            return None
-    return trace
-
-
-# The type of a tracer of a jaxpr being staged (`DynamicJaxprTracer`, JAX 0.8 -- 0.12).
-STAGED_TRACER = pe_api.DynamicJaxprTracer
-
-
-def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
-    """`observe` of one value, a `STAGED_TRACER`: all in one function, since every call counts
-    where a mark is made."""
-    trace = x._trace
-    if trace is not _TRACE.value or type(trace) is not _JAXPR_TRACE:
-        return False
-    parent = x.parent  # the equation that made `x`
-    frame = trace.frame
-    if parent is None or frame.auto_dce or not _FRAME_HOLDS_TRACING_EQNS:
-        _stage_observer(trace, prim, [x], params)
-        return True
-    # Made by an equation the frame holds for good (no auto-DCE), `x`'s variable stays defined
-    # without `x`: the frame takes a `JaxprEqn` on it (as JAX's own `lower_jaxpr` stages one,
-    # 0.10 -- 0.12), which costs half a `TracingEqn` and its conversion when the jaxpr is made.
-    # Its source info and context are those of the equation that made `x` (looking up the
-    # current ones costs as much again).
-    frame.tracing_eqns.append(
-        _JaxprEqn([x.val], [], prim, params, NO_EFFECTS, parent.source_info, parent.ctx)
-    )
-    return True
-
-
-_JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, core.JaxprEqn
-
-
-def _stage_observer(
-    trace: Any, prim: jex.Primitive, args: list, params: dict, source_info: Any = None
-) -> None:
-    if source_info is None:
-        source_info = source_info_util._source_info_context.context
-    # The context of the equation that made the first input (JAX 0.10 -- 0.12 keep it as the
-    # tracer's `parent`), rather than the current one, which costs as much as the rest to look
-    # up: the equation lowers to nothing, and a `pull` takes it out.
-    parent = getattr(args[0], "parent", None) if args else None
-    ctx = _eqn_context() if parent is None else parent.ctx
-    e = pe.TracingEqn(args, [], prim, params, NO_EFFECTS, source_info, ctx)
-    trace.frame.tracing_eqns.append(_hold(e))
-
-
-if hasattr(core, "current_jaxpr_eqn_context"):  # JAX 0.10 -- 0.12 (cached)
-    _eqn_context = core.current_jaxpr_eqn_context
-else:  # JAX 0.8 -- 0.9: as `DynamicJaxprTrace.make_eqn` makes it
-    from jax._src import xla_metadata_lib  # isort: skip
-
-    def _eqn_context() -> Any:
-        return core.JaxprEqnContext(
-            jax_config.compute_on_context_manager.value,
-            jax_config.threefry_partitionable.value,
-            xla_metadata_lib.current_xla_metadata(),
-        )
-
-
-def defines_nothing(eqn: jex.JaxprEqn) -> bool:
-    """Whether `eqn` defines nothing: it has no outputs (as `observe` stages it), or only
-    dropped ones (`_`)."""
-    return all(type(v) is core.DropVar for v in eqn.outvars)
-
-
-def trace_length(trace: Any) -> int:
-    """How many equations `trace`, a jaxpr trace of `trace` above, has staged so far: the
-    position in its jaxpr of the next one. `trace` (no auto-DCE) keeps them all, in order
-    (`DynamicJaxprTrace.frame.tracing_eqns` in JAX 0.8 -- 0.12)."""
-    return len(trace.frame.tracing_eqns)
-
-
-def staging_trace() -> Any:
-    """The trace in force if it stages a jaxpr whose equations `staged` and `restage` may read
-    and edit (a `DynamicJaxprTrace` keeping every equation: no auto-DCE), else `None`."""
-    trace = _TRACE.value
-    if type(trace) is pe.DynamicJaxprTrace and not trace.frame.auto_dce:
-        return trace
-    return None
-
-
-def staged(trace: Any, start: int) -> list[tuple[jex.JaxprEqn, Any]]:
-    """`(equation, entry)` for each equation `trace` (of `staging_trace`) staged from position
-    `start` on, `entry` being how its frame holds it.
-
-    A frame holds `TracingEqn`s (inputs as tracers, read when the jaxpr is made) behind a
-    callable (JAX 0.8 -- 0.9) or as they are (0.10 -- 0.12), where it also holds `JaxprEqn`s
-    (`JaxprStackFrame.get_eqns`, which this mirrors)."""
-    return [(as_equation(_held(entry)), entry) for entry in trace.frame.tracing_eqns[start:]]
-
-
-def staged_as_held(trace: Any, start: int) -> list:
-    """The equations of `staged`, as the frame holds them (a `TracingEqn` reads tracers where a
-    `JaxprEqn` reads variables): enough to search them by primitive and params, without making
-    an object per equation (which, for a long program, costs more in garbage collection than
-    the search itself). `as_equation` makes one a `JaxprEqn`."""
-    return [_held(entry) for entry in trace.frame.tracing_eqns[start:]]
-
-
-def as_equation(e: Any) -> jex.JaxprEqn:
-    """`e`, an equation of `staged_as_held`, as a `JaxprEqn`."""
-    if isinstance(e, pe.TracingEqn):
-        invars = [t.val for t in e.in_tracers]
-        return core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
-                             e.source_info, e.ctx)  # fmt: skip
-    return e
-
-
-def restage(trace: Any, start: int, eqns: Sequence[jex.JaxprEqn], old: Sequence[tuple]) -> None:
-    """Make `eqns` what `trace` staged from position `start` on, in place of `old` (the pairs
-    `staged` gave): an equation of `old` keeps its entry; a new one is staged as a
-    `TracingEqn`, on the tracers the old ones read where it reads the same variables (a
-    constant stays in the jaxpr while a tracer of it lives)."""
-    entries = {id(eqn): entry for eqn, entry in old}
-    tracers: dict[int, Any] = {}
-    for _, entry in old:
-        for t in getattr(_held(entry), "in_tracers", ()):
-            tracers.setdefault(id(t.val), t)
-    held = []
-    for eqn in eqns:
-        entry = entries.get(id(eqn))
-        if entry is None:
-            ins = [tracers.get(id(x)) for x in eqn.invars]
-            ins = [tracer_of(trace, x) if t is None else t for t, x in zip(ins, eqn.invars)]
-            entry = _hold(pe.TracingEqn(ins, eqn.outvars, eqn.primitive, eqn.params,
-                                        eqn.effects, eqn.source_info, eqn.ctx))  # fmt: skip
-        held.append(entry)
-    trace.frame.tracing_eqns[start:] = held
-
-
-# JAX 0.10 -- 0.12: a frame holds a `TracingEqn` itself; 0.8 -- 0.9 behind a callable.
-_FRAME_HOLDS_TRACING_EQNS = "TracingEqn" in pe.JaxprStackFrame.get_eqns.__code__.co_names
-
-
-def _same(x):
-    return x
-
-
-def _hold(e: Any) -> Any:
-    """A frame's entry for `e`, a `TracingEqn`, held whatever the frame's auto-DCE."""
-    return e if _FRAME_HOLDS_TRACING_EQNS else functools.partial(_same, e)
-
-
-def _held(entry: Any) -> Any:
-    """The equation a frame's entry holds (see `staged`)."""
-    return entry() if callable(entry) else entry
-
-
-def var_of(trace: Any, x: Any) -> Any:
-    """The variable `x` is in `trace`'s jaxpr, if `x` is one of its tracers; else `None`."""
-    if type(x) is pe_api.DynamicJaxprTracer and x._trace is trace:
-        return x.val
-    return None
-
-
-def tracer_of(trace: Any, var: Any) -> Any:
-    """A tracer of `trace` for `var`, a variable (or literal) of its jaxpr (JAX 0.8 -- 0.12)."""
-    return pe_api.DynamicJaxprTracer(trace, var.aval, var)
 
 
 def abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:
@@ -869,50 +590,6 @@ def custom_params(params: dict, primal: jex.ClosedJaxpr) -> dict:
     return dict(params, call_jaxpr=primal)
 
 
-def custom_rule(params: dict) -> jex.ClosedJaxpr:
-    """The rule of a `custom_jvp_call` or `custom_vjp_call` equation, traced as JAX traces it
-    when it differentiates: the JVP with a tangent for every inexact input (inputs: the
-    non-constant primals, then those tangents; outputs: the primal outputs, then the nonzero
-    tangents), or `fwd` (inputs: the non-constant primals; outputs: residuals and primal
-    outputs), told that no input is perturbed (which matters only to a rule with
-    `symbolic_zeros=True`, and equinox's forbid perturbing some). JAX 0.8 -- 0.12:
-    `jvp_jaxpr_fun(*symbolic_zeros)`, `fwd_jaxpr_thunk(*perturbed)`, both memoized."""
-    avals = custom_primal(params).in_avals[params["num_consts"] :]
-    if "jvp_jaxpr_fun" in params:
-        zeros = [not jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in avals]
-        jaxpr, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
-    else:
-        jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*[False] * len(avals))
-    return jex.ClosedJaxpr(jaxpr, consts)
-
-
-def custom_rule_in_library(params: dict) -> bool:
-    """Whether the rule of a `custom_jvp_call`/`custom_vjp_call` is defined in an installed
-    package (JAX's `defjvps`, equinox, a solver library) rather than in the user's code (the
-    file in its debug info, JAX 0.8 -- 0.12: `"name at file:line"`)."""
-    key = "jvp_jaxpr_fun" if "jvp_jaxpr_fun" in params else "fwd_jaxpr_thunk"
-    source = params[key].debug_info.func_src_info or ""
-    return "site-packages" in source or "dist-packages" in source
-
-
-def custom_rule_inputs(params: dict) -> int:
-    """How many of `custom_rule`'s inputs are primals (the others are tangents)."""
-    return len(custom_primal(params).in_avals) - params["num_consts"]
-
-
-def custom_rule_params(params: dict, transform: Callable) -> dict:
-    """`params` whose rule (`custom_rule`'s, whenever JAX traces it) is `transform(jaxpr)`, a
-    function of the open jaxpr."""
-    key = "jvp_jaxpr_fun" if "jvp_jaxpr_fun" in params else "fwd_jaxpr_thunk"
-    traced = params[key]
-
-    def rule(*flags):
-        jaxpr, *rest = traced.call_wrapped(*flags)
-        return (transform(jaxpr), *rest)
-
-    return dict(params, **{key: linear_util_api.wrap_init(rule, debug_info=traced.debug_info)})
-
-
 def zeros(aval: Any) -> jax.Array:
     """Zeros of exactly `aval`'s type: weak type, sharding and varying manual axes included
     (`lax.zeros_like_shaped_array`, JAX 0.8 -- 0.12)."""
@@ -1029,60 +706,6 @@ def rebind_vary(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
 
 
 SymbolicZero = jax.custom_derivatives.SymbolicZero
-
-
-def runs_python(eqn: jex.JaxprEqn) -> bool:
-    """Whether `eqn`'s primitive may run Python code from its params when it is evaluated or
-    lowered: its impl is its own Python function (not JAX's `apply_primitive`, which compiles
-    the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
-    equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
-    shows. Host callbacks are left out: they run on the host, on values."""
-    if eqn.primitive in _RUN_JAXPRS:
-        return False
-    impl = eqn.primitive.impl
-    if impl is None or eqn.primitive.name in _HOST_CALLBACKS:
-        return False
-    if isinstance(impl, functools.partial) and impl.func is dispatch.apply_primitive:
-        return False
-    return any(_holds_callable(v) for v in eqn.params.values())
-
-
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
-# JAX's call and control-flow primitives, whose Python impls run their jaxprs and nothing else.
-_RUN_JAXPRS = frozenset(
-    {
-        JIT_PRIMITIVE,
-        REMAT_PRIMITIVE,
-        jex.primitives.closed_call_p,
-        jex.primitives.scan_p,
-        jex.primitives.while_p,
-        jex.primitives.cond_p,
-    }
-)
-
-
-# Callable objects in params that are not code (a `jit` equation's `ctx_mesh` is a `Mesh`,
-# which is callable).
-_NOT_CODE = (
-    type,
-    jex.Primitive,
-    jex.Jaxpr,
-    jex.ClosedJaxpr,
-    jax.sharding.Mesh,
-    jax.sharding.AbstractMesh,
-)
-
-
-def _holds_callable(value) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_holds_callable(v) for v in value)
-    return callable(value) and not isinstance(value, _NOT_CODE)
-
-
-def run_impl(eqn: jex.JaxprEqn, args: Sequence[Any], impl: Callable | None = None) -> list:
-    """Run `eqn`'s primitive's impl rule (or `impl`, one of its kind) on `args`, as its
-    lowering does for a primitive whose lowering is `mlir.lower_fun(impl)`."""
-    return list((impl or eqn.primitive.impl)(*args, **eqn.params))
 
 
 def extend_debug_info(

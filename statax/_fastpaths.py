@@ -4,7 +4,7 @@ Each fast path does what a plain path beside it does, for less: it changes no va
 program that a user or a library sees. They are:
 
 * **straight staging**: a mark is staged into the jaxpr being traced as one equation
-  (`_compat.stage`, `_compat.observe`), rather than by `bind`;
+  (`_staging.stage`, `_staging.observe`), rather than by `bind`;
 * **call-site caches**: `save_inter` on a staged array at a call site seen before only looks
   up the params it made there;
 * **inline pulls**: `pull` where a jaxpr is being staged (under `jit`, in a loop body) traces
@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import _compat
+from . import _staging
 
-# JAX's private modules, as `_compat` (the one module that imports them) holds them.
-core, pe, source_info_util = _compat.core, _compat.pe, _compat.source_info_util
+# JAX's private modules, as `_staging` (whose fast paths these are) holds them.
+core, pe, source_info_util = _staging.core, _staging.pe, _staging.source_info_util
 
 __all__ = ["enabled", "on", "probe"]
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from . import _compat, _equinox, _reduce
+from . import _compat, _equinox, _python_rules, _reduce, _staging
 from ._errors import HandlerError, UnhandledPrimitiveError
 from ._meta import StateMeta
 from ._primitive import COLLECTING, IDLE, INERT, INPUT, collected, save_inter_p
@@ -352,17 +352,17 @@ def _known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
-    # (`eqn` may be an equation as a trace holds it, `_compat.staged_as_held`: a finder gets it
+    # (`eqn` may be an equation as a trace holds it, `_staging.staged_as_held`: a finder gets it
     # as a `JaxprEqn`.)
     _, finder = _rules_for(eqn)
     if finder is not None:
-        return tuple(finder(_compat.as_equation(eqn)))
+        return tuple(finder(_staging.as_equation(eqn)))
     if not eqn.params:
         return ()
     found: tuple[StateMeta, ...] = ()
     for sub in _compat.jaxprs_in_params(eqn.params):
         found += find_saves(sub)
-    if found or not _compat.runs_python(eqn):
+    if found or not _python_rules.runs_python(eqn):
         return found
     return find_saves_in_impl(eqn)
 
@@ -388,7 +388,7 @@ def trace_impl(eqn: jex.JaxprEqn, impl: Callable | None = None) -> jex.ClosedJax
     input types in the current context, or `None` where it cannot be traced abstractly."""
     try:
         return _compat.trace(
-            lambda *args: _compat.run_impl(eqn, args, impl),
+            lambda *args: _python_rules.run_impl(eqn, args, impl),
             [x.aval for x in eqn.invars],
             name=str(eqn.primitive),
         )
@@ -500,28 +500,28 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
 
 
 def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, list, tuple]:
-    """`pull_collected` for a function traced straight into `trace` (`_compat.staging_trace`),
+    """`pull_collected` for a function traced straight into `trace` (`_staging.staging_trace`),
     from its position `start` on, with `collector` taking the marks made at `trace`'s level:
     the equations it staged that hold marks are rewritten in place, in `trace`.
 
     Returns `(outs, leaves, metas)`: `outs` (the function's flat outputs) as they now are, the
     flat leaves of the intermediates, and their metas, in program order."""
     metas = tuple(meta for _, meta in collector.marks)
-    marks_in = _saves_in(_compat.staged_as_held(trace, start))
+    marks_in = _saves_in(_staging.staged_as_held(trace, start))
     if not marks_in[0]:  # the usual case: every mark was collected as it was made
         leaves = collector.leaves
         if any(m.reduce is not None for m in metas):
             metas, leaves = _reduce.merge(metas, leaves)
         return list(outs), list(leaves), tuple(metas)
-    staged = _compat.staged(trace, start)
+    staged = _staging.staged(trace, start)
     eqns = [eqn for eqn, _ in staged]
     # Walk what was staged as one jaxpr (its free variables are the trace's), returning the
     # outputs that are the trace's tracers (the others cannot change) and the collected leaves
     # (one that is not a tracer of the trace stands in as a fresh variable, and comes back).
-    out_vars = [_compat.var_of(trace, x) for x in outs]
+    out_vars = [_staging.var_of(trace, x) for x in outs]
     staged_outs = [i for i, v in enumerate(out_vars) if v is not None]
     values = [*(outs[i] for i in staged_outs), *collector.leaves]
-    leaf_vars = [_compat.var_of(trace, x) for x in collector.leaves]
+    leaf_vars = [_staging.var_of(trace, x) for x in collector.leaves]
     outvars = [out_vars[i] for i in staged_outs] + [
         jex.Var(jax.typeof(x)) if v is None else v
         for v, x in zip(leaf_vars, collector.leaves, strict=True)
@@ -533,7 +533,7 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks)
     assert not ins, "marks are planted only where nothing is staged in place"
     new = new.jaxpr
-    _compat.restage(trace, start, new.eqns, staged)
+    _staging.restage(trace, start, new.eqns, staged)
     known = {id(v): x for v, x in zip(outvars, values, strict=True)}
 
     def value(v):
@@ -541,7 +541,7 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
             return known[id(v)]
         if isinstance(v, jex.Literal):
             return jnp.asarray(v.val, v.aval.dtype)
-        return _compat.tracer_of(trace, v)
+        return _staging.tracer_of(trace, v)
 
     flat = [value(v) for v in new.outvars]
     outs = list(outs)

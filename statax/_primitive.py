@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _fastpaths
+from . import _compat, _fastpaths, _staging
 from ._meta import ARRAY, NUMBERS, StateMeta, number_as_array, split
 from ._reduce import MODES
 
@@ -199,20 +199,20 @@ def _bind(arrays: list, meta: StateMeta, status: str) -> list:
 
 
 def _stage(arrays: list, meta: StateMeta, status: str) -> list:
-    """`save_inter_p.bind`, staged directly where it can be (see `_compat.stage`). An idle mark
-    defines nothing: it only reads `arrays`, which it returns (see `_compat.observe`), so that a
+    """`save_inter_p.bind`, staged directly where it can be (see `_staging.stage`). An idle mark
+    defines nothing: it only reads `arrays`, which it returns (see `_staging.observe`), so that a
     mark costs one equation and no other work."""
     if status == IDLE and not _fastpaths.on:
         status = UNPULLED  # the plain path: an identity
     params = {"meta": meta, "status": status}
     if status == IDLE:
-        if not _compat.observe(save_inter_p, arrays, params):
+        if not _staging.observe(save_inter_p, arrays, params):
             save_inter_p.bind(*arrays, **params)
         return arrays
     if not _fastpaths.on:
         return save_inter_p.bind(*arrays, **params)
     effects = _SAVE_EFFECTS if status == COLLECTING else _compat.NO_EFFECTS
-    outs = _compat.stage(save_inter_p, arrays, params, effects)
+    outs = _staging.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
 
 
@@ -243,8 +243,8 @@ def _remember(code, instruction: int, name, reduce, scope: str, params: dict) ->
 
 
 _getframe = sys._getframe
-_STAGED_TRACER, _SCOPE, _PULLING = _compat.STAGED_TRACER, _compat.SCOPE, _compat.PULLING
-_observe_staged = _compat.observe_staged
+_STAGED_TRACER, _SCOPE, _PULLING = _staging.STAGED_TRACER, _compat.SCOPE, _compat.PULLING
+_observe_staged = _staging.observe_staged
 
 _LEAF = jax.tree_util.tree_structure(0)
 _ONE_ARRAY = (ARRAY,)
@@ -271,7 +271,7 @@ class Collector:
         self.leaves: list = []
 
     def add(self, meta: StateMeta, arrays: list) -> None:
-        self.marks.append((_compat.trace_length(self.trace), meta))
+        self.marks.append((_staging.trace_length(self.trace), meta))
         self.leaves.extend(arrays)
 
 
@@ -394,7 +394,7 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
         return _compat.remat_split(eqn, inst_in, unknown=True)
     if eqn.params["status"] == INPUT:  # a value fed in: kept for the backward pass, not rerun
         return _compat.remat_split(eqn, inst_in, unknown=False)
-    if _compat.defines_nothing(eqn):  # an idle mark that only reads: nothing to replay
+    if _staging.defines_nothing(eqn):  # an idle mark that only reads: nothing to replay
         return _compat.remat_split(eqn, inst_in, unknown=False)
     params = dict(eqn.params, status=INERT)
     _, effects = save_inter_p.abstract_eval(*[x.aval for x in eqn.invars], **params)
@@ -405,4 +405,4 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 _compat.register_remat_partial_eval_rule(save_inter_p, _remat_partial_eval)
 
 
-_compat.register_readers(save_inter_p, _idle)
+_staging.register_readers(save_inter_p, _idle)

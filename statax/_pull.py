@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _fastpaths, _nnx, _plant, _reduce
+from . import _compat, _fastpaths, _nnx, _plant, _reduce, _staging
 from ._errors import KeyCollisionError
 from ._interpreter import mark, on_forget, pull_collected, pull_staged, selecting, take
 from ._meta import ARRAY, StateMeta, hashable, keys_of
@@ -263,7 +263,7 @@ def _one_jit(entry: _Entry) -> bool:
 def _run(pulled, root, call, leaves, treedef, values, eager=False):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
     if values is None and planting is None and summarize is None and _fastpaths.on:
-        trace = _compat.staging_trace()
+        trace = _staging.staging_trace()
         if trace is not None and _compat.PLANTING.value is None:
             return _inline(trace, call, leaves, treedef, only, ran)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
@@ -303,7 +303,7 @@ def _inline(trace, call, leaves, treedef, only, ran):
         ]
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
-    start = _compat.trace_length(trace)
+    start = _staging.trace_length(trace)
     with selecting(only), _compat.PULLING(True), collecting(collector):
         collector.trace = trace
         out = call(tree, *args, **kwargs)

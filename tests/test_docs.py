@@ -54,3 +54,18 @@ def test_api_page_documents_every_public_name():
     assert public - documented == set()
     assert stx.__all__ == sorted(stx.__all__)
     assert statax.extend.__all__ == sorted(statax.extend.__all__)
+
+
+def test_maintaining_lists_every_private_jax_name():
+    import subprocess
+    import sys
+
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "private_names.py"), "--markdown"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    page = (ROOT / "docs" / "maintaining.md").read_text()
+    missing = [row for row in table.splitlines() if row not in page]
+    assert not missing, "docs/maintaining.md lacks (run tools/private_names.py --markdown):\n" + (
+        "\n".join(missing)
+    )

@@ -1,6 +1,7 @@
 """Count the private JAX names statax reads: `jax._src` imports, the distinct names read from
 them, per module. Run: `python tools/private_names.py [REV]` (a git revision: count that
-revision's tree; default the working tree). `docs/maintaining.md` lists them."""
+revision's tree; default the working tree), or `--markdown` for the table in
+`docs/maintaining.md` (a test checks that the table lists every name)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,22 @@ def count(text: str) -> tuple[int, set[str]]:
     return imports, names
 
 
+def by_module(rev: str | None = None) -> dict[str, set[str]]:
+    """statax module path -> the private JAX names it reads."""
+    found = {}
+    for path, text in sorted(sources(rev).items()):
+        names = count(text)[1]
+        if names:
+            found[path] = names
+    return found
+
+
 def main():
+    if sys.argv[1:] == ["--markdown"]:  # the table in docs/maintaining.md
+        for path, names in by_module().items():
+            listed = ", ".join(f"`{n.removeprefix('jax._src.')}`" for n in sorted(names))
+            print(f"| `{path}` | {listed} |")
+        return
     rev = sys.argv[1] if len(sys.argv) > 1 else None
     total_imports, total = 0, set()
     per_file = defaultdict(set)

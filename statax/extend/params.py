@@ -14,10 +14,6 @@ from .._compat import cond_branches as cond_branches
 from .._compat import cond_params as cond_params
 from .._compat import custom_params as custom_params
 from .._compat import custom_primal as custom_primal
-from .._compat import custom_rule as custom_rule
-from .._compat import custom_rule_in_library as custom_rule_in_library
-from .._compat import custom_rule_inputs as custom_rule_inputs
-from .._compat import custom_rule_params as custom_rule_params
 from .._compat import hi_expand as hi_expand
 from .._compat import hi_jaxprs as hi_jaxprs
 from .._compat import jaxprs_in_params as jaxprs_in_params
@@ -29,6 +25,10 @@ from .._compat import scan_params as scan_params
 from .._compat import scan_parts as scan_parts
 from .._compat import shard_map_parts as shard_map_parts
 from .._compat import while_parts as while_parts
+from .._custom_rules import custom_rule as custom_rule
+from .._custom_rules import custom_rule_in_library as custom_rule_in_library
+from .._custom_rules import custom_rule_inputs as custom_rule_inputs
+from .._custom_rules import custom_rule_params as custom_rule_params
 
 __all__ = [
     "LinearSolveParts",
