@@ -45,6 +45,7 @@ __all__ = [
     "JIT_PRIMITIVE",
     "PLANTING",
     "PULLING",
+    "RAN_MASKS",
     "REMAT_PRIMITIVE",
     "SAVE_EFFECT",
     "SCOPE",
@@ -220,6 +221,15 @@ STATEFUL = jax_config.string_or_object_state(
     include_in_trace_context=True,
 )
 
+
+# Whether the `pull` tracing returns masks of the occurrences that ran (`pull(fn, ran=True)`):
+# then each mark it collects carries a boolean beside its value. Part of the trace context.
+RAN_MASKS = jax_config.bool_state(
+    "statax_ran_masks",
+    False,
+    "Internal to statax: true while statax.pull(fn, ran=True) traces a function.",
+    include_in_trace_context=True,
+)
 
 # Whether the `pull` tracing has inputs that are being differentiated (`jax.jvp(pull(f))`,
 # `jax.grad(pull(f))`): then the rules of custom derivatives run, and their marks are keys.

@@ -79,6 +79,9 @@ def describe(inters: dict[str, Any]) -> Description:
     where = origins(inters)
     rows = []
     for key, value in inters.items():
+        if key.endswith(".ran") and key[: -len(".ran")] in inters:
+            continue  # said on its value's rows (`pull(fn, ran=True)`)
+        ran = _ran_note(inters.get(key + ".ran"))
         for path, leaf in jax.tree_util.tree_leaves_with_path(value):
             name = key + ("." + path_name(path) if path else "")
             if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.size(leaf):
@@ -92,11 +95,25 @@ def describe(inters: dict[str, Any]) -> Description:
                     str(int(st["inf_count"])),
                 )
                 shape = str(tuple(np.shape(leaf)))
-                rows.append(_Row(name, shape, str(leaf.dtype), cells, "", where.get(key, "")))
+                site = " ".join(filter(None, (ran, where.get(key, ""))))
+                rows.append(_Row(name, shape, str(leaf.dtype), cells, "", site))
             else:
                 kind = type(leaf).__name__
                 rows.append(_Row(name, "", kind, None, repr(leaf), where.get(key, "")))
     return Description(rows, inters)
+
+
+def _ran_note(mask) -> str:
+    """What a value's mask of `pull(fn, ran=True)` says: nothing where it all ran, else
+    `"(did not run)"` or `"(ran k of n)"` (per example under a `vmap`, per row in a `scan`)."""
+    if mask is None:
+        return ""
+    mask = np.asarray(jax.device_get(mask), bool)
+    if mask.all():
+        return ""
+    if not mask.any():
+        return "(did not run)"
+    return f"(ran {int(mask.sum())} of {mask.size})"
 
 
 def _text(rows: list[_Row]) -> str:

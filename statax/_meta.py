@@ -105,6 +105,9 @@ class StateMeta:
             by one count of the same shape each; for `"stack"` and `"collect"`, the leaves with
             an occurrence axis after the batch axes followed by one boolean mask each, true
             where an occurrence ran (`"stack"`: one per row; `"collect"`: one per element).
+        flagged: whether the array leaves are followed by one boolean, true where this
+            occurrence ran (`pull(fn, ran=True)`: a `cond` branch not taken leaves it false,
+            as it leaves the value zeros).
     """
 
     name: str
@@ -114,6 +117,7 @@ class StateMeta:
     batch_ndim: int = 0
     reduce: str | None = None
     accumulator: bool = False
+    flagged: bool = False
 
     @functools.cached_property
     def num_values(self) -> int:
@@ -124,7 +128,7 @@ class StateMeta:
     def num_arrays(self) -> int:
         """How many flat array leaves carry this intermediate (counts and masks included)."""
         counted = self.accumulator and self.reduce is not None
-        return 2 * self.num_values if counted else self.num_values
+        return (2 * self.num_values if counted else self.num_values) + self.flagged
 
     def unflatten(self, arrays: Sequence[Any]) -> Any:
         """Rebuild the saved pytree from its array leaves."""

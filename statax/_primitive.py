@@ -127,7 +127,11 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
             if not _PULLING.value:
                 if _observe_staged(save_inter_p, value, params):
                     return value
-            elif _compat.PLANTING.value is None and _compat.SELECTION.value is None:
+            elif (
+                _compat.PLANTING.value is None
+                and _compat.SELECTION.value is None
+                and not _compat.RAN_MASKS.value
+            ):
                 collector = _COLLECTOR.get()
                 if _claims(collector):
                     collector.add(params["meta"], [value])
@@ -177,6 +181,13 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
     if selection is not None and not selection(meta):
         status = INERT
+    if status == COLLECTING and meta.reduce is None and _compat.RAN_MASKS.value:
+        # `pull(fn, ran=True)`: a boolean beside the value, true here; where this does not
+        # run (a branch not taken), the handlers' zeros make it false.
+        flagged = dataclasses.replace(meta, flagged=True)
+        outs = _bind([*arrays, jnp.ones((), bool)], flagged, status)[: len(arrays)]
+        same = all(a is b for a, b in zip(outs, arrays, strict=True))
+        return value if same else meta.unflatten(outs)
     outs = _bind(arrays, meta, status)
     return value if outs is arrays else meta.unflatten(outs)
 

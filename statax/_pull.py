@@ -239,7 +239,8 @@ def _evaluation(root_ref, plain: bool, only, ran) -> Callable:
         else:  # (see `_split_callable`)
             call = _call_tree if isinstance(root, type) else root
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
-        entry, dynamic = _entry(root, call, leaves, treedef, only)
+        with _compat.RAN_MASKS(ran):
+            entry, dynamic = _entry(root, call, leaves, treedef, only)
         if not _one_jit(entry):
             raise _NotCompiled
         out, inters = _evaluate(entry, dynamic, ran)
@@ -273,6 +274,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
     with (
         contextlib.nullcontext() if planting is None else _compat.PLANTING(planting),
         _compat.DIFFERENTIATING(differentiating),
+        _compat.RAN_MASKS(ran),
     ):
         entry, dynamic = _entry(root, call, leaves, treedef, only)
     if eager and _one_jit(entry):
@@ -304,7 +306,7 @@ def _inline(trace, call, leaves, treedef, only, ran):
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
     start = _staging.trace_length(trace)
-    with selecting(only), _compat.PULLING(True), collecting(collector):
+    with selecting(only), _compat.PULLING(True), _compat.RAN_MASKS(ran), collecting(collector):
         collector.trace = trace
         out = call(tree, *args, **kwargs)
         collector.trace = None  # (a mark made once the function has returned is not its own)
@@ -527,6 +529,10 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
         leaves = flat[start:stop]
         if kind == "value":
             inters[key] = meta.unflatten(leaves)
+        elif kind == "flagged":  # the value, its mask last
+            inters[key] = meta.unflatten(leaves[:-1])
+        elif kind == "flag":
+            inters[key] = leaves[-1]
         elif kind == "final":
             inters[key] = meta.unflatten(_reduce.finalize(meta, leaves))
         else:
@@ -553,9 +559,12 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
             kind == "value"
             and meta.static_leaves == (ARRAY,)
             and jax.tree_util.treedef_is_leaf(meta.treedef)
+            and not meta.flagged
         ):
             kind = "array"  # the value is its one array
-        entries = [(key, kind)]
+        entries = [(key, "flagged" if meta.flagged else kind)]
+        if meta.flagged:
+            entries.append((key + ".ran", "flag"))
         if ran and meta.reduce is not None and _reduce.stacked(meta):
             entries.append((meta.name + ".ran", "ran"))
         for name, kind in entries:
@@ -594,11 +603,14 @@ def pull(
         summarize: a function applied to every intermediate inside the compiled program
             (`stx.stats`, or any function of a pytree); the dict then holds its results, and
             only they leave the device.
-        ran: also return, for every name saved with `reduce="stack"` or `"collect"`, an
-            entry `f"{name}.ran"` of boolean masks with the value's structure: true for each
-            row (`"stack"`: shape `(*batch, occurrences)`) or element (`"collect"`: the
-            value's shape) that comes from an occurrence that ran, false where it is the zeros
-            of an occurrence that did not (a `cond` branch not taken).
+        ran: also return, beside each value that may be the zeros of code that did not run (a
+            `cond` branch not taken under `jit` or `vmap`, a `while_loop` that ran no
+            iteration), whether it ran: for an occurrence `"h_0"`, an entry `"h_0.ran"`, a
+            boolean (per example under a `vmap`, per row where a `scan` stacks it); for a name
+            saved with `reduce="stack"` or `"collect"`, an entry `f"{name}.ran"` of boolean
+            masks with the value's structure: true for each row (`"stack"`: shape
+            `(*batch, occurrences)`) or element (`"collect"`: the value's shape) that comes
+            from an occurrence that ran. `describe` says which values did not run.
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a

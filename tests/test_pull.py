@@ -632,3 +632,43 @@ def test_changing_a_handler_drops_every_cached_rewrite():
     caches = (_interpreter._SAVES, _interpreter._PULLED, _interpreter._PULLED_OPEN)
     assert not _pull._CACHE and not any(caches)
     assert not _interpreter._INERT and not _interpreter._IMPLS
+
+
+def branches_and_loop(x, p):
+    y = lax.cond(
+        p, lambda x: stx.save_inter(x * 2, name="a"), lambda x: stx.save_inter(x - 1, name="b"), x
+    )
+    body = lambda c: (c[0] + 1, stx.save_inter(c[1] + 1, name="w"))  # noqa: E731
+    return lax.while_loop(lambda c: c[0] < 0, body, (x[0], y))[1]
+
+
+def branches_and_loop_by_hand(x, p):
+    """What ran, and the values (zeros where not): a = 2x if p, b = x - 1 if not; the loop
+    runs -x[0] times (none for x[0] >= 0)."""
+    a, b = (x * 2, jnp.zeros(3)) if p else (jnp.zeros(3), x - 1)
+    y, w, n = (a if p else b), jnp.zeros(3), int(max(0, -x[0]))
+    for _ in range(n):
+        y = y + 1
+        w = y
+    return y, {"a_0": a, "a_0.ran": p, "b_0": b, "b_0.ran": not p, "w_0": w, "w_0.ran": n > 0}
+
+
+@pytest.mark.parametrize("wrap", ["plain", "jit"])
+def test_ran_masks_say_which_occurrences_did_not_run(wrap):
+    pulled = stx.pull(branches_and_loop, ran=True)
+    pulled = jax.jit(pulled) if wrap == "jit" else pulled
+    for x, p in ((jnp.arange(3.0), True), (jnp.arange(3.0) - 2, False)):
+        out, inters = pulled(x, p)
+        want_out, want = branches_and_loop_by_hand(x, p)
+        assert_tree_allclose((out, inters), (want_out, jax.tree.map(jnp.asarray, want)))
+    xs, ps = jnp.stack([jnp.arange(3.0), jnp.arange(3.0) - 2]), jnp.array([True, False])
+    _, batched = stx.pull(jax.vmap(branches_and_loop), ran=True)(xs, ps)
+    per_example = [branches_and_loop_by_hand(x, bool(p))[1] for x, p in zip(xs, ps)]
+    want = jax.tree.map(lambda *v: jnp.stack([jnp.asarray(u) for u in v]), *per_example)
+    assert_tree_allclose(batched, want)
+    text = str(stx.describe(batched))
+    assert "a_0" in text and "(ran 1 of 2)" in text and "a_0.ran" not in text
+    _, inters = stx.pull(branches_and_loop, ran=True)(jnp.arange(3.0), True)
+    lines = {line.split()[0]: line for line in str(stx.describe(inters)).splitlines()}
+    assert "(did not run)" in lines["b_0"] and "(did not run)" in lines["w_0"]
+    assert "did not run" not in lines["a_0"]
