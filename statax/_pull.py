@@ -321,12 +321,20 @@ def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced, dynamic, key = arguments_key(leaves, treedef)
     key = (only, *key)
-    entry = lookup(root, key)
+    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1])  # noqa: E731
+    return cached(root, key, make), dynamic
+
+
+def cached(root, key, make: Callable, cache: weakref.WeakKeyDictionary = _CACHE):
+    """The entry (a trace and what was made of it, with a `jaxpr`) kept for `root` and `key`,
+    made by `make()` on a miss and kept unless its jaxpr closes over tracers (of a trace that
+    ends): the one trace-and-cache pipeline of `pull` and `stateful`."""
+    entry = lookup(root, key, cache)
     if entry is None:
-        entry = _trace(root, call, leaves, treedef, traced, only, key[-1])
+        entry = make()
         if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
-            store(root, key, entry)
-    return entry, dynamic
+            store(root, key, entry, cache)
+    return entry
 
 
 def arguments_key(leaves: list, treedef) -> tuple[list, list, tuple]:

@@ -280,11 +280,12 @@ def _call(fn, output_unchanged, args, kwargs, state):
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
     traced, dynamic, key = _pull.arguments_key(leaves, treedef)
     key = (output_unchanged, given, *key)
-    entry = _pull.lookup(root, key, _CACHE)
-    if entry is None:
-        entry = _trace(call, leaves, treedef, traced, given, state_leaves, output_unchanged)
-        if not any(isinstance(c, jax.core.Tracer) for c in entry.jaxpr.consts):
-            _pull.store(root, key, entry, _CACHE)
+    entry = _pull.cached(
+        root,
+        key,
+        lambda: _trace(call, leaves, treedef, traced, given, state_leaves, output_unchanged),
+        _CACHE,
+    )
     # Outputs that are inputs or literals come back as arrays, as from `jax.jit`.
     flat = jex.jaxpr_as_fun(entry.jaxpr)(*dynamic, *state_leaves)
     flat = [
