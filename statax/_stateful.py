@@ -390,21 +390,22 @@ def _names(jaxpr) -> _Names:
     found = _NAMES.get(jaxpr)
     if found is None:
         reads, writes = set(), {}
-        for eqn in jaxpr.eqns:
+
+        def write(meta, avals):  # the most batched set of a name
+            old = writes.get(meta.name)
+            if old is None or meta.batch_ndim >= old[0].batch_ndim:
+                writes[meta.name] = (meta, avals)
+
+        for eqn in _compat.equations(jaxpr):  # (at any depth: jaxprs in params)
             if eqn.primitive is get_state_p:
                 reads.add(eqn.params["meta"].name)
             elif eqn.primitive is set_state_p:
-                meta = eqn.params["meta"]
-                old = writes.get(meta.name)
-                if old is None or meta.batch_ndim >= old[0].batch_ndim:
-                    writes[meta.name] = (meta, tuple(x.aval for x in eqn.invars))
-            else:
-                for sub in _inner(eqn):
-                    inner = _names(sub)
-                    reads |= inner.reads
-                    for n, w in inner.writes.items():
-                        if n not in writes or w[0].batch_ndim >= writes[n][0].batch_ndim:
-                            writes[n] = w
+                write(eqn.params["meta"], tuple(x.aval for x in eqn.invars))
+            elif (ran := _ran_jaxpr(eqn)) is not None:  # Python functions a primitive runs
+                inner = _names(ran)
+                reads |= inner.reads
+                for w in inner.writes.values():
+                    write(*w)
         found = _NAMES[jaxpr] = _Names(frozenset(reads), writes)
     return found
 
@@ -416,13 +417,14 @@ def _holds_state(eqn) -> bool:
 def _inner(eqn) -> list:
     """The functions `eqn` runs: the jaxprs in its params, and, for a primitive whose functions
     are Python (see `register_handler`'s `runs`), what they trace to."""
-    subs = list(_compat.jaxprs_in_params(eqn.params))
+    ran = _ran_jaxpr(eqn)
+    return [*_compat.jaxprs_in_params(eqn.params), *([] if ran is None else [ran])]
+
+
+def _ran_jaxpr(eqn):
+    """What a primitive whose functions are Python runs, traced (`runs`), or `None`."""
     runs = state_rules_for(eqn)[1]
-    if runs is not None:
-        ran = _ran(eqn, runs)
-        if ran is not None:
-            subs.append(ran)
-    return subs
+    return None if runs is None else _ran(eqn, runs)
 
 
 # Equations whose Python functions were traced inside `stateful` (`runs`), and what that gave
