@@ -305,3 +305,40 @@ def var_of(trace: Any, x: Any) -> Any:
 def tracer_of(trace: Any, var: Any) -> Any:
     """A tracer of `trace` for `var`, a variable (or literal) of its jaxpr (JAX 0.8 -- 0.12)."""
     return pe_api.DynamicJaxprTracer(trace, var.aval, var)
+
+
+def register_kept_in_loops(prim: jex.Primitive) -> None:
+    """Keep every equation of `prim` inside a `scan` body under `grad`: JAX's partial
+    evaluation of a scan hoists out of the loop what depends only on its constants
+    (`_scan_known_hoisting`, JAX 0.8 -- 0.12), which would make a read of state (whose only
+    input is its `init()`) one read before the loop. In that pass (told by its frame, which
+    the rule looks for on the stack), an equation of `prim` is staged with unknown outputs,
+    as if it depended on the carry; anywhere else it is partially evaluated as any other.
+    Where the frame is not found (a JAX that renames it), nothing changes."""
+
+    def partial_eval(trace, *tracers, **params):
+        if not _called_from("_scan_known_hoisting"):
+            return trace.default_process_primitive(prim, tracers, params)
+        tracers = [trace.instantiate_const(trace.to_jaxpr_tracer(t)) for t in tracers]
+        out_avals, effects = prim.abstract_eval(*[t.aval for t in tracers], **params)
+        outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
+        name_stack = trace._current_truncated_name_stack()
+        source = source_info_api.current().replace(name_stack=name_stack)
+        recipe = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effects, source)
+        trace.effect_handles.append(pe.EffectHandle(tracers, recipe))  # kept, as effectful
+        for t in outs:
+            t.recipe = recipe
+        return outs
+
+    pe_api.custom_partial_eval_rules[prim] = partial_eval
+
+
+def _called_from(name: str, depth: int = 40) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False

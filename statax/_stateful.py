@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _pull
+from . import _compat, _pull, _staging
 from ._errors import StateError, StatefulWarning
 from ._interpreter import (
     handler_for,
@@ -857,4 +857,7 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 
 
 _compat.register_remat_partial_eval_rule(get_state_p, _remat_partial_eval)
+# Under `grad` of a `scan`, reads and writes of state stay in the loop (not hoisted before it).
+_staging.register_kept_in_loops(get_state_p)
+_staging.register_kept_in_loops(set_state_p)
 _compat.register_remat_partial_eval_rule(set_state_p, _remat_partial_eval)

@@ -224,11 +224,6 @@ def total(run):
 
 # Corners the matrix found where statax is not yet right, each a test that fails today (strict:
 # it fails the suite once it passes, so that it is taken off), and corners JAX refuses.
-_SCAN_HOIST = (
-    "stateful(grad(f)) of a loop that reads and sets state: JAX's partial evaluation of the "
-    "loop under grad hoists the read (whose only input is its init(), a constant) out of the "
-    "loop as loop-invariant, so every iteration reads the value before the loop"
-)
 _RECOMPUTE = (
     "stateful(grad(f)) of equinox's checkpointed loop: its backward pass recomputes the "
     "iterations, and their sets are threaded again"
@@ -243,7 +238,6 @@ _RULE_UNDER_PLANT = (
     "differentiates the planted function as written"
 )
 KNOWN = {
-    ("scan", "state", "grad_in"): ("xfail", _SCAN_HOIST),
     ("equinox_loop", "state", "grad_in"): ("xfail", _RECOMPUTE),
     ("equinox_loop", "state", "grad_out"): ("skip", _AS_WRITTEN),
     ("equinox_loop", "plant", "grad_out"): ("skip", _AS_WRITTEN),
