@@ -321,7 +321,7 @@ def register_kept_in_loops(prim: jex.Primitive) -> None:
             return trace.default_process_primitive(prim, tracers, params)
         tracers = [trace.instantiate_const(trace.to_jaxpr_tracer(t)) for t in tracers]
         out_avals, effects = prim.abstract_eval(*[t.aval for t in tracers], **params)
-        outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
+        outs = [pe_api.JaxprTracer(trace, pe_api.PartialVal.unknown(a), None) for a in out_avals]
         name_stack = trace._current_truncated_name_stack()
         source = source_info_api.current().replace(name_stack=name_stack)
         recipe = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effects, source)
