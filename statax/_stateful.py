@@ -6,16 +6,16 @@
 jaxpr: it evaluates it in a new trace, equation by equation, with an environment of the
 current value of each name. A `set_state` replaces the value; a `get_state` reads it (or, for
 a name that has none yet, returns its own `init()`, an operand of the equation). Equations
-whose inner jaxprs touch no state are bound as they are; the others go to a rule per primitive
-that rebuilds them with public JAX (`lax.scan`, `lax.while_loop`, `lax.switch`,
-`jax.checkpoint`, `jax.shard_map`) around a function that threads their inner jaxprs:
-
-* calls (`jit`, `closed_call`, custom derivatives) run inline, in the same environment;
-* in a loop, every name the body sets is part of the carry; the others are read as they are;
-* in a `cond`, every name some branch sets leaves it, from whichever branch ran (the others
-  pass their value on);
-* `jax.checkpoint` is rebuilt around the threaded function, so a recomputation updates nothing;
-* in a `shard_map`, a name set inside becomes per-shard state, one row per shard.
+whose functions touch no state are bound as they are. For the others, the primitive's handler
+module says what to do, beside what it does with marks (`register_handler`'s `thread_state`,
+a rule that rebuilds the equation with public JAX around functions this module threads, with
+a `Threading`; or `runs`, the Python functions a primitive runs, traced and threaded as a
+call); a primitive with a handler and neither threads state on the handler's own contract
+(`_on_handler_contract`: in as planted values, out as marks). The rules live in
+`statax/handlers/`: calls run inline; a loop carries every name its body sets; a `cond` lets
+out, from the branch that ran, every name some branch sets; `jax.checkpoint` is rebuilt
+around the threaded function, so a recomputation sets nothing; a `shard_map` makes a name set
+inside per-shard state, one row per shard.
 
 Under `vmap` both primitives are batched with the batch axis first: a value set under a
 `vmap` is per example, and a read under a `vmap` sees each example's value (an unbatched
