@@ -53,25 +53,11 @@ def probe() -> str | None:
     for obj, name in REQUIRED:
         if not hasattr(obj, name):
             return f"{getattr(obj, '__name__', obj)}.{name} is missing"
-    frame = _sample_frame()
+    fields = getattr(pe.JaxprStackFrame, "__annotations__", {})  # declared, JAX 0.8 -- 0.12
     for name in ("tracing_eqns", "auto_dce"):
-        if not hasattr(frame, name):
+        if name not in fields:
             return f"JaxprStackFrame.{name} is missing"
     return None
-
-
-def _sample_frame():
-    import jax
-
-    frames = []
-
-    def f(x):
-        trace = core.trace_ctx.trace
-        frames.append(getattr(trace, "frame", None))
-        return x
-
-    jax.make_jaxpr(f)(0.0)
-    return frames[0]
 
 
 MISSING = probe()  # why they are off on this JAX, or None

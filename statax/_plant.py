@@ -104,9 +104,7 @@ def _hooked(meta, hook, value, arrays) -> list:
     leaves, treedef = jax.tree_util.tree_flatten(new)
     got = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
     want = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in arrays]
-    if treedef != meta.treedef or [(a.shape, a.dtype) for a in got] != [
-        (a.shape, a.dtype) for a in want
-    ]:
+    if treedef != meta.treedef or got != want:
         raise PlantError(
             f"stx.plant: the hook {hook!r} for {meta.name!r} (save_inter at {meta.location}) "
             f"returned {kinds_str(got)} of structure {treedef}; the marked value is "

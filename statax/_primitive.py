@@ -164,7 +164,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
     if not _compat.PULLING.value:
-        outs = _stage(arrays, meta, IDLE if _fastpaths.on else UNPULLED)
+        outs = _stage(arrays, meta, IDLE)  # (an identity, `UNPULLED`, with fast paths off)
         return value if outs is arrays else meta.unflatten(outs)
     planting = _compat.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and name in planting.names:

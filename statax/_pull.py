@@ -97,17 +97,13 @@ class _Pulled:
     @boundary
     def __call__(self, *args, **kwargs):
         known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
-        if known is not None and known[0] == _GENERATION[0] and _fast() and _compat.eager():
+        if known is not None and known[0] == _GENERATION[0] and _fastpaths.on and _compat.eager():
             # An eager call of a pull that has run compiled: straight to it, which takes the
             # call if it is on arrays (see `_run_compiled`).
             result = _run_compiled(known[2], known[1], args, kwargs)
             if result is not None:
                 return result
         return call_pulled(self, args, kwargs)
-
-
-def _fast() -> bool:
-    return _fastpaths.on
 
 
 # The work of a call is in functions, not methods: each method access on an `eqx.Module` builds

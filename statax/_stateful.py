@@ -50,7 +50,7 @@ from ._interpreter import (
     zero_tangent,
 )
 from ._meta import ARRAY, StateMeta, kind_str, number_as_array, split
-from ._primitive import IDLE, _caller_location, batch_first, save_inter_p
+from ._primitive import IDLE, _caller_location, _stage, batch_first
 from ._tracebacks import boundary
 
 __all__ = ["get_state", "get_state_p", "set_state", "set_state_p", "stateful"]
@@ -665,7 +665,6 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
     names = threading.present(*_compat.jaxprs_in_params(eqn.params))
     ins = {n: threading.env[n] for n in names}
     in_metas = tuple(_state_meta(n, s.meta) for n, s in ins.items())
-    set_metas: list = []
 
     def thread(jaxpr):
         closed = jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jex.ClosedJaxpr(jaxpr, ())
@@ -681,7 +680,6 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
             log.depth = threading.log.depth + 1
             outs = _run(closed.jaxpr, closed.consts, list(args), env, log)
             done = [n for n in log.set_order if n in writes]
-            set_metas.append([(n, env[n]) for n in done])
             mark(
                 [x for n in done for x in env[n].leaves],
                 [_state_meta(n, env[n].meta) for n in done],
@@ -703,15 +701,14 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
     flat = _compat.bind(rewrite.eqn.primitive, [*invals, *fed], rewrite.eqn.params)
     n = len(eqn.outvars)
     out_leaves = split_leaves(flat[n:], rewrite.outs)
-    kinds = {name: slot for pairs in set_metas for name, slot in pairs}
     for meta, leaves in zip(rewrite.outs, out_leaves, strict=True):
         if _is_state(meta):
             name = meta.name[len(_STATE_PREFIX) :]
-            threading.update({name: leaves}, {name: (kinds[name].meta, None)})
+            threading.update({name: leaves}, {name: (dataclasses.replace(meta, name=name), None)})
         elif _compat.PULLING.value:  # a user's mark, taken out by the handler: marked again
             mark(list(leaves), [meta])
         else:
-            save_inter_p.bind(*leaves, meta=meta, status=IDLE)
+            _stage(list(leaves), meta, IDLE)
     return list(flat[:n])
 
 
