@@ -25,11 +25,12 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
     lowered: its impl is its own Python function (not JAX's `apply_primitive`, which compiles
     the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
     equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
-    shows. Host callbacks are left out: they run on the host, on values."""
+    shows. Host callbacks are left out: they run on the host, on values; so are JAX's PRNG
+    primitives, whose params hold the key implementation (JAX's own functions)."""
     if eqn.primitive in _RUN_JAXPRS:
         return False
     impl = eqn.primitive.impl
-    if impl is None or eqn.primitive.name in _HOST_CALLBACKS:
+    if impl is None or eqn.primitive.name in _HOST_CALLBACKS | _PRNG:
         return False
     if isinstance(impl, functools.partial) and impl.func is dispatch.apply_primitive:
         return False
@@ -37,6 +38,7 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
+_PRNG = frozenset({"random_seed", "random_wrap"})
 # JAX's call and control-flow primitives, whose Python impls run their jaxprs and nothing else.
 _RUN_JAXPRS = frozenset(
     {

@@ -60,13 +60,21 @@ def register_readers(prim: jex.Primitive, only_reads: Callable[[dict], bool]) ->
     * staging a bind into a jaxpr (`eval_jaxpr` of a jaxpr holding it, a rule that binds it;
       `pe.custom_staging_rules`, `(trace, source_info, *tracers, **params)`), held as `observe`
       holds it, whatever the frame's auto-DCE (`linearize` traces tangents into a frame that
-      drops what no output reads)."""
+      drops what no output reads).
+
+    The dead-code elimination rule also drops an equation of `prim` whose outputs nothing
+    reads where Flax's `nn.scan` eliminates dead code only to learn whether its broadcast
+    outputs depend on the carry (`_learning_dependencies`): `prim`'s effect would keep it, and
+    with it a dependency, although that trace of the body is thrown away (the scan's own trace
+    holds the equation)."""
 
     def dce(used_outputs, *rest):
         eqn = rest[-1]
         if only_reads(eqn.params):
             if _live_anyway(eqn.invars, sys._getframe(1)):
                 return [True] * len(eqn.invars), eqn
+            return [False] * len(eqn.invars), None
+        if not any(used_outputs) and _learning_dependencies(sys._getframe(1)):
             return [False] * len(eqn.invars), None
         return pe._default_dce_rule(used_outputs, *rest)
 
@@ -107,6 +115,22 @@ def _live_anyway(operands: Sequence[Any], frame) -> bool:
     if not isinstance(env, dict):
         return False
     return all(env.get(v, False) for v in operands if isinstance(v, jex.Var))
+
+
+# Where a library runs dead-code elimination on a trace it then throws away, to learn what
+# depends on what: Flax's `nn.scan` (`flax.core.axes_scan.scan_fn`, flax >= 0.12.9), on the
+# trace that computes its broadcast outputs.
+_DEPENDENCY_ANALYSES = frozenset({("flax.core.axes_scan", "scan_fn")})
+
+
+def _learning_dependencies(frame, depth: int = 8) -> bool:
+    """Whether the dead-code elimination `frame` is running was called (within `depth`
+    frames) by one of `_DEPENDENCY_ANALYSES`."""
+    while frame is not None and depth:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _DEPENDENCY_ANALYSES:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 
 
 def stage(prim: jex.Primitive, args: Sequence[Any], params: dict, effects) -> list | None:
