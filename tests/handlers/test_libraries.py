@@ -286,6 +286,36 @@ def test_diffrax_under_vmap_is_per_example_and_the_same_for_every_adjoint(adjoin
         np.testing.assert_allclose(inters["vf_0"], -k * jnp.sin(y1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("solver", [diffrax.Heun(), diffrax.Tsit5()], ids=type)
+def test_diffrax_adaptive_steps_under_vmap_count_each_examples_own_work(solver):
+    # An adaptive step size: each example takes its own number of steps, accepted and
+    # rejected, as diffrax's own statistics say. Heun evaluates the vector field twice per step,
+    # so each example's count is exactly that, alone and under vmap in both orders. Tsit5 is
+    # FSAL: under vmap diffrax re-evaluates the first stage of every example wherever one
+    # example needs it (a batch-wide `unvmap_any`), so an example may count more than alone:
+    # what the batched program computed for it (see the semantics page).
+    def run(k):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vector_field), solver, 0.0, 2.0, 0.1, jnp.array([1.0, 2.0]),
+            args=k, saveat=diffrax.SaveAt(t1=True),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-4),
+        )  # fmt: skip
+        return sol.stats["num_steps"], sol.stats["num_rejected_steps"]
+
+    ks = jnp.array([0.5, 40.0])
+    alone = [stx.pull(run)(k) for k in ks]
+    assert int(alone[1][0][1]) > 0  # the stiff example has rejected steps
+    for g in (stx.pull(jax.vmap(run)), jax.vmap(stx.pull(run))):
+        (steps, _), inters = g(ks)
+        assert int(steps[0]) < int(steps[1])
+        if isinstance(solver, diffrax.Heun):
+            np.testing.assert_array_equal(inters["evals"], 2 * steps)
+            np.testing.assert_array_equal(inters["evals"], [a[1]["evals"] for a in alone])
+        else:  # one evaluation to start, six per step, and the batch-wide re-evaluations
+            assert np.all(inters["evals"] >= 1 + 6 * steps)
+            assert np.all(inters["evals"] - (1 + 6 * steps) <= steps)
+
+
 def event_condition(t, y, args, **kwargs):
     return stx.save_inter(y[0] - 0.5, name="ev")
 
