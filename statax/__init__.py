@@ -15,6 +15,7 @@ from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
 from ._errors import PlantError as PlantError
 from ._errors import ReduceMismatchError as ReduceMismatchError
+from ._errors import SelectionError as SelectionError
 from ._errors import StateError as StateError
 from ._errors import StatefulWarning as StatefulWarning
 from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
@@ -26,6 +27,10 @@ from ._pull import Key as Key
 from ._pull import pull as pull
 from ._records import records as records
 from ._scope import scope as scope
+from ._select import lines as lines
+from ._select import modules as modules
+from ._select import primitives as primitives
+from ._select import scopes as scopes
 from ._sinks import TensorBoardWriter as TensorBoardWriter
 from ._sinks import plot_exponent_histogram as plot_exponent_histogram
 from ._sinks import plot_heatmap as plot_heatmap
@@ -52,6 +57,7 @@ __all__ = [
     "KeyCollisionError",
     "PlantError",
     "ReduceMismatchError",
+    "SelectionError",
     "StateError",
     "StateMeta",
     "StatefulWarning",
@@ -62,14 +68,18 @@ __all__ = [
     "extend",
     "get_state",
     "grad_inters",
+    "lines",
+    "modules",
     "plant",
     "plot_exponent_histogram",
     "plot_heatmap",
     "plot_stat",
+    "primitives",
     "pull",
     "records",
     "save_inter",
     "scope",
+    "scopes",
     "set_state",
     "stateful",
     "stats",

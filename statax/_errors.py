@@ -13,6 +13,7 @@ __all__ = [
     "KeyCollisionError",
     "PlantError",
     "ReduceMismatchError",
+    "SelectionError",
     "StateError",
     "StatefulWarning",
     "UnhandledPrimitiveError",
@@ -140,6 +141,11 @@ class KeyCollisionError(ValueError):
 
 class PlantError(ValueError):
     """A value given to `plant` (or `grad_inters`) that cannot go where it was asked to."""
+
+
+class SelectionError(ValueError):
+    """A selection (`at=`, or `only=`) that matches nothing, or selects a place it cannot
+    mark. The message lists what there is, closest first."""
 
 
 class StateError(ValueError):

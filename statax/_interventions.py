@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ._plant import Add, Planting
 from ._pull import _Pulled, call_pulled, pull
+from ._select import selections
 from ._tracebacks import boundary
 
 __all__ = ["grad_inters", "plant"]
@@ -19,6 +20,7 @@ __all__ = ["grad_inters", "plant"]
 
 class _Planted(eqx.Module):
     fn: Callable
+    at: tuple = eqx.field(static=True, default=())
 
     @boundary
     def __call__(self, values: Mapping[str, Any], *args, **kwargs):
@@ -30,11 +32,11 @@ class _Planted(eqx.Module):
         # A reduced entry, as `pull` returned it (its `Key` knows), sums up many values: it is
         # not one value of the program, and giving it back plants nothing.
         values = {k: v for k, v in values.items() if getattr(k, "reduce", None) is None}
-        pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values))
+        pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values), self.at)
         return call_pulled(pulled, args, kwargs, values)[0]
 
 
-def plant(fn: Callable) -> Callable:
+def plant(fn: Callable, *, at: Any = None) -> Callable:
     """Transform `fn` to run with values planted at its marks.
 
     `plant(fn)(values, *args, **kwargs)` returns `fn(*args, **kwargs)`, computed with each
@@ -51,6 +53,9 @@ def plant(fn: Callable) -> Callable:
       broadcast);
     * a function of the old value (a hook, compared by identity: define it once), applied in
       every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d` steers.
+
+    With `at=`, the places a selection makes are marks too, keyed as `pull(fn, at=...)` keys
+    them (see "Looking inside a model you did not write").
 
     What `pull` returned can be given back whole: `plant(fn)(pull(fn)(*args)[1], *args)`
     equals `fn(*args)`. A marked Python number is planted as a weakly typed array (as
@@ -87,7 +92,7 @@ def plant(fn: Callable) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Planted(fn)
+    return _Planted(fn, selections(at))
 
 
 def _differentiable(value) -> bool:
@@ -113,6 +118,7 @@ def grad_inters(
     *,
     has_aux: bool = False,
     only: Any = None,
+    at: Any = None,
 ) -> Callable:
     """Transform a scalar-valued `fn` to return its value and its gradient with respect to
     every marked intermediate.
@@ -126,6 +132,8 @@ def grad_inters(
             arguments, as `jax.grad(fn, argnums)` does.
         has_aux: `fn` returns `(scalar, aux)`; the value is then that pair.
         only: differentiate with respect to these marks only (as `pull`'s `only=`).
+        at: also differentiate with respect to the places these selections make (as `pull`'s
+            `at=`).
 
     Returns:
         A callable returning `(value, inter_grads)`, or `(value, inter_grads, grads)` with
@@ -141,9 +149,11 @@ def grad_inters(
         (Array(45., dtype=float32), {'h_0': Array([ 0.,  6., 12.], dtype=float32)})
     """
 
+    chosen = selections(at)
+
     @boundary
     def run(*args, **kwargs):
-        shapes = eqx.filter_eval_shape(pull(fn, only=only), *args, **kwargs)[1]
+        shapes = eqx.filter_eval_shape(pull(fn, only=only, at=at), *args, **kwargs)[1]
         zeros = {
             key: jax.tree.map(_zero, shape)
             for key, shape in shapes.items()
@@ -152,7 +162,7 @@ def grad_inters(
 
         def of(perturbations, *args):
             values = {key: Add(d) for key, d in perturbations.items()}
-            return _Planted(fn)(values, *args, **kwargs)
+            return _Planted(fn, chosen)(values, *args, **kwargs)
 
         if argnums is None:
             return jax.value_and_grad(of, has_aux=has_aux)(zeros, *args)

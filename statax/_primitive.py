@@ -163,6 +163,19 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     else:
         treedef, static, arrays = split(value)
         meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
+    return _mark(value, meta, arrays)
+
+
+def mark_as(value: T, name: str, location: str, reduce: str | None = None) -> T:
+    """`save_inter(value, name=name, reduce=reduce)` made by statax itself, for a place that
+    `location` (`"file:line"`) names: a selection's mark (`_select`). No scope prefix."""
+    treedef, static, arrays = split(value)
+    return _mark(value, StateMeta(name, treedef, static, location, reduce=reduce), arrays)
+
+
+def _mark(value: T, meta: StateMeta, arrays: list) -> T:
+    """What `save_inter` does with `value`, once its meta is made."""
+    name, reduce = meta.name, meta.reduce
     if not _compat.PULLING.value:
         outs = _stage(arrays, meta, IDLE)  # (an identity, `UNPULLED`, with fast paths off)
         return value if outs is arrays else meta.unflatten(outs)

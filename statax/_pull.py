@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from . import _compat, _fastpaths, _nnx, _plant, _reduce, _staging
-from ._errors import KeyCollisionError
+from . import _compat, _fastpaths, _nnx, _plant, _reduce, _select, _staging
+from ._errors import KeyCollisionError, SelectionError
 from ._interpreter import mark, on_forget, pull_collected, pull_staged, selecting, take
 from ._meta import ARRAY, StateMeta, hashable, keys_of
 from ._primitive import Collector, collecting
@@ -43,6 +43,7 @@ class _Entry(NamedTuple):
     in_avals: tuple
     plans: dict  # ran -> how the flat intermediates become the named dict
     call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
+    checked: list  # `[True]` once `only=` was checked against the marks (`_check_only`)
 
 
 # root callable (held weakly) -> OrderedDict(key -> _Entry), least recently used first.
@@ -74,7 +75,7 @@ def _call_tree(tree, *args, **kwargs):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["fn"],
-    meta_fields=["only", "enabled", "summarize", "ran", "planting"],
+    meta_fields=["only", "enabled", "summarize", "ran", "planting", "at"],
 )
 @dataclasses.dataclass(frozen=True)
 class _Pulled:
@@ -87,6 +88,7 @@ class _Pulled:
     summarize: Any
     ran: bool = False
     planting: Any = None  # for `plant`: a `_plant.Planting`
+    at: tuple = ()  # selections (`_select`): marks made where none were written
 
     @property
     def __wrapped__(self) -> Callable:
@@ -112,14 +114,25 @@ class _Pulled:
 
 def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     """`pulled(*args, **kwargs)`: `(out, intermediates)`; for `plant`, with `values` planted."""
+    if pulled.at:  # the objects of an `of=` model mark their calls before anything is flattened
+        with _select.objects_marked(pulled.at):
+            return _call_pulled(pulled, args, kwargs, values)
+    return _call_pulled(pulled, args, kwargs, values)
+
+
+def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     fn = pulled.fn
     if not pulled.enabled:
         return fn(*args, **kwargs), {}
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
     root, tree, call = _split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+    at = pulled.at
+    if at:  # marks by object where the objects are live (in NNX's merge), in the program around
+        call = _select.calling(call, at, objects=True, fn=fn)
     eager = (
         _fastpaths.on
+        and not at
         and values is None
         and pulled.summarize is None
         and pulled.planting is None
@@ -137,9 +150,11 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
         leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
-        (out, state), inters = _run(pulled, root, _nnx.calling(call), leaves, treedef, values)
+        call = _select.calling(_nnx.calling(call), at, objects=False)
+        (out, state), inters = _run(pulled, root, call, leaves, treedef, values)
         _nnx.update(nodes, state)
         return out, inters
+    call = _select.calling(call, at, objects=False)
     return _run(pulled, root, call, leaves, treedef, values, eager)
 
 
@@ -272,7 +287,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
         _compat.DIFFERENTIATING(differentiating),
         _compat.RAN_MASKS(ran),
     ):
-        entry, dynamic = _entry(root, call, leaves, treedef, only)
+        entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at)
     if eager and _one_jit(entry):
         _compile(root, call, only, ran)
     if values is not None:  # `plant`: its values, checked against the marks
@@ -308,17 +323,56 @@ def _inline(trace, call, leaves, treedef, only, ran):
         collector.trace = None  # (a mark made once the function has returned is not its own)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
     new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
+    if only is not None:
+        everything = lambda: _trace(None, call, leaves, treedef, *_traced_avals(leaves, treedef))  # noqa: E731
+        _check_only(only, metas, everything)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
         out = jax.tree_util.tree_unflatten(out_def, new_leaves)
     return out, _name(metas, flat, ran, _plans(metas))
 
 
-def _entry(root, call, leaves, treedef, only) -> tuple[_Entry, list]:
+def _entry(root, call, leaves, treedef, only, at=()) -> tuple[_Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced, dynamic, key = arguments_key(leaves, treedef)
-    key = (only, *key)
+    key = (only, at, *key)
     make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1])  # noqa: E731
-    return cached(root, key, make), dynamic
+    entry = cached(root, key, make)
+    if only is not None and not entry.checked:
+        everything = lambda: _trace(root, call, leaves, treedef, traced, None, key[-1])  # noqa: E731
+        _check_only(only, entry.metas, everything)
+        entry.checked.append(True)
+    return entry, dynamic
+
+
+def _traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
+    """`(traced, None, avals)`: `_trace`'s arguments after `call, leaves, treedef`, for `pull`
+    of everything."""
+    traced, dynamic, _ = arguments_key(leaves, treedef)
+    return traced, None, tuple(map(jax.typeof, dynamic))
+
+
+def _check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
+    """Raise where `only=` selects nothing, or names a mark the program does not have
+    (`everything()`: the program's entry with every mark collected, for the message)."""
+    names = {m.name for m in metas}
+    missing = sorted(only.names - names) if isinstance(only, _Names) else ([] if names else [only])
+    if not missing:
+        return
+    there = sorted({m.name for m in everything().metas})
+    shown = repr(missing[0].pattern.pattern if isinstance(missing[0], _Pattern) else missing[0])
+    hint = ""
+    if isinstance(missing[0], str) and re.fullmatch(r".+_\d+", missing[0]):
+        base = missing[0].rsplit("_", 1)[0]
+        if base in there:
+            hint = (
+                f" {missing[0]!r} is a key: only= takes names, as save_inter was given them "
+                f"({base!r})."
+            )
+    listed = _select.closest(str(missing[0]), there) if there else "none"
+    raise SelectionError(
+        f"stx.pull(fn, only=...): {shown} selects no mark of the program.{hint} The marks there, "
+        f"closest first: {listed}."
+    )
 
 
 def cached(root, key, make: Callable, cache: weakref.WeakKeyDictionary = _CACHE):
@@ -501,7 +555,9 @@ def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
     n = len(closed.jaxpr.outvars) - len(collector.leaves)
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
     call_params = None if escaped else _compat.jit_call_params(new, _name_of(root))
-    return _Entry(new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {}, call_params)
+    return _Entry(
+        new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {}, call_params, []
+    )
 
 
 def _name_of(root) -> str:
@@ -587,6 +643,7 @@ def pull(
     enabled: bool = True,
     summarize: Callable | None = None,
     ran: bool = False,
+    at: Any = None,
 ) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
@@ -615,6 +672,10 @@ def pull(
             masks with the value's structure: true for each row (`"stack"`: shape
             `(*batch, occurrences)`) or element (`"collect"`: the value's shape) that comes
             from an occurrence that ran. `describe` says which values did not run.
+        at: also mark places nobody marked: a selection, or a list of them, as
+            `stx.scopes(...)`, `stx.modules(...)`, `stx.primitives(...)` and `stx.lines(...)`
+            make (see "Looking inside a model you did not write"). Their values come back as
+            marks written there would, beside the marks written by hand.
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
@@ -638,7 +699,9 @@ def pull(
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Pulled(fn, _selection(only), bool(enabled), summarize, bool(ran))
+    return _Pulled(
+        fn, _selection(only), bool(enabled), summarize, bool(ran), None, _select.selections(at)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
