@@ -10,9 +10,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import _nnx, _select
 from ._plant import Add, Planting
-from ._pull import _Pulled, call_pulled, pull
-from ._select import selections
+from ._pull import _Pulled, _split_callable, call_pulled, pull
+from ._select import Modules, selections
 from ._tracebacks import boundary
 
 __all__ = ["grad_inters", "plant"]
@@ -153,23 +154,66 @@ def grad_inters(
 
     @boundary
     def run(*args, **kwargs):
-        shapes = eqx.filter_eval_shape(pull(fn, only=only, at=at), *args, **kwargs)[1]
-        zeros = {
-            key: jax.tree.map(_zero, shape)
-            for key, shape in shapes.items()
-            if key.reduce is None and _differentiable(shape)  # one occurrence, not reduced
-        }
-
-        def of(perturbations, *args):
-            values = {key: Add(d) for key, d in perturbations.items()}
-            return _Planted(fn, chosen)(values, *args, **kwargs)
-
-        if argnums is None:
-            return jax.value_and_grad(of, has_aux=has_aux)(zeros, *args)
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        value, (inter_grads, *grads) = jax.value_and_grad(
-            of, argnums=(0, *(i + 1 for i in nums)), has_aux=has_aux
-        )(zeros, *args)
-        return value, inter_grads, grads[0] if isinstance(argnums, int) else tuple(grads)
+        is_node = _nnx.node_test()
+        if is_node is not None and any(
+            map(is_node, jax.tree_util.tree_leaves((fn, args, kwargs), is_leaf=is_node))
+        ):
+            return _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs)
+        return _grad_inters(fn, chosen, argnums, has_aux, only, args, kwargs)
 
     return run
+
+
+def _grad_inters(fn, chosen, argnums, has_aux, only, args, kwargs):
+    shapes = eqx.filter_eval_shape(pull(fn, only=only, at=chosen), *args, **kwargs)[1]
+    zeros = {
+        key: jax.tree.map(_zero, shape)
+        for key, shape in shapes.items()
+        if key.reduce is None and _differentiable(shape)  # one occurrence, not reduced
+    }
+
+    def of(perturbations, *args):
+        values = {key: Add(d) for key, d in perturbations.items()}
+        return _Planted(fn, chosen)(values, *args, **kwargs)
+
+    if argnums is None:
+        return jax.value_and_grad(of, has_aux=has_aux)(zeros, *args)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    value, (inter_grads, *grads) = jax.value_and_grad(
+        of, argnums=(0, *(i + 1 for i in nums)), has_aux=has_aux
+    )(zeros, *args)
+    return value, inter_grads, grads[0] if isinstance(argnums, int) else tuple(grads)
+
+
+def _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs):
+    """`grad_inters` of a function of Flax NNX objects (mutable graph nodes, which JAX's
+    `grad` cannot take as it takes arrays): split into their state, differentiated as a pure
+    function of it, merged back inside; the caller's objects get the state the call left, as
+    `pull` leaves it (see `_nnx`)."""
+    root, tree, call = _split_callable(fn)
+    is_node = _nnx.node_test()
+    leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
+    packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
+    nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if any(isinstance(args[i], _nnx.Slot) for i in nums):
+        raise TypeError(
+            "stx.grad_inters(..., argnums=...) names a Flax NNX object: take gradients with "
+            "respect to a module's parameters with nnx.grad, and those with respect to the "
+            "intermediates here."
+        )
+    objects = tuple(s for s in chosen if isinstance(s, Modules))
+    inner = _nnx.calling(_select.calling(call, objects, objects=True, fn=fn))
+
+    def pure(packed, *args, **kwargs):
+        out, state = inner(packed, *args, **kwargs)
+        return (out[0], (out[1], state)) if has_aux else (out, state)
+
+    in_program = tuple(s for s in chosen if not isinstance(s, Modules))
+    shifted = None if argnums is None else jax.tree.map(lambda i: i + 1, argnums)
+    value, *rest = _grad_inters(
+        pure, in_program, shifted, True, only, (packed, *args), kwargs
+    )
+    loss, aux_state = value
+    aux, state = aux_state if has_aux else (None, aux_state)
+    _nnx.update(nodes, state)
+    return ((loss, aux) if has_aux else loss, *rest)

@@ -19,14 +19,17 @@ from typing import Any
 
 import jax
 
-__all__ = ["calling", "node_test", "split", "update"]
+__all__ = ["Slot", "calling", "node_test", "split", "update"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Slot:
-    """Where the k-th graph node was, in the flattened arguments (static, hashable)."""
+class Slot:
+    """Where the k-th graph node was, in the flattened arguments (static, hashable). `depth`
+    tells apart the slots of nested splits (`grad_inters` splits, then the `pull` inside it
+    splits the variables again): a merge puts back only its own."""
 
     index: int
+    depth: int = 0
 
 
 @jax.tree_util.register_pytree_node_class
@@ -34,15 +37,20 @@ class _Packed:
     """The arguments with their graph nodes taken out: the nodes' state (traced) and graph
     definition (static, so part of `pull`'s cache key)."""
 
-    def __init__(self, graphdef, state, rest):
-        self.graphdef, self.state, self.rest = graphdef, state, rest
+    # The state is kept as its arrays (and their structure): its variables are graph nodes
+    # too, which a `pull` of a function of this (`grad_inters`'s) would take out again, and
+    # update in its own trace. It is rebuilt where the nodes are merged.
+    def __init__(self, graphdef, arrays, state_def, rest, depth):
+        self.graphdef, self.arrays, self.state_def = graphdef, arrays, state_def
+        self.rest, self.depth = rest, depth
 
     def tree_flatten(self):
-        return (self.state, self.rest), self.graphdef
+        return (self.arrays, self.rest), (self.graphdef, self.state_def, self.depth)
 
     @classmethod
-    def tree_unflatten(cls, graphdef, children):
-        return cls(graphdef, *children)
+    def tree_unflatten(cls, static, children):
+        graphdef, state_def, depth = static
+        return cls(graphdef, children[0], state_def, children[1], depth)
 
 
 def node_test() -> Callable[[Any], bool] | None:
@@ -53,16 +61,18 @@ def node_test() -> Callable[[Any], bool] | None:
 
 def split(leaves: list, treedef) -> tuple[_Packed, tuple, dict, tuple]:
     """`(packed, args, kwargs, nodes)` from `(tree, args, kwargs)` flattened with graph nodes as
-    leaves: the nodes are taken out into `packed` (which replaces `tree`), leaving `_Slot`s in
+    leaves: the nodes are taken out into `packed` (which replaces `tree`), leaving `Slot`s in
     their places, so that arguments stay where they were (a Python float stays traced)."""
     nnx = sys.modules["flax.nnx"]
     is_node = nnx.graph.is_graph_node
     nodes = tuple(leaf for leaf in leaves if is_node(leaf))
     graphdef, state = nnx.split(nodes)
+    depth = 1 + max((s.depth for s in _slots(leaves)), default=0)
     it = iter(range(len(nodes)))
-    rest = [_Slot(next(it)) if is_node(leaf) else leaf for leaf in leaves]
+    rest = [Slot(next(it), depth) if is_node(leaf) else leaf for leaf in leaves]
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, rest)
-    return _Packed(graphdef, state, tree), args, kwargs, nodes
+    arrays, state_def = jax.tree_util.tree_flatten(state)
+    return _Packed(graphdef, arrays, state_def, tree, depth), args, kwargs, nodes
 
 
 def calling(call):
@@ -71,18 +81,24 @@ def calling(call):
 
     def packed_call(packed: _Packed, *args, **kwargs):
         nnx = sys.modules["flax.nnx"]
-        nodes = nnx.merge(packed.graphdef, packed.state)
+        state = jax.tree_util.tree_unflatten(packed.state_def, packed.arrays)
+        nodes = nnx.merge(packed.graphdef, state)
 
         def put_back(leaf):
-            return nodes[leaf.index] if isinstance(leaf, _Slot) else leaf
+            own = isinstance(leaf, Slot) and leaf.depth == packed.depth
+            return nodes[leaf.index] if own else leaf
 
         tree, args, kwargs = jax.tree_util.tree_map(
-            put_back, (packed.rest, args, kwargs), is_leaf=lambda x: isinstance(x, _Slot)
+            put_back, (packed.rest, args, kwargs), is_leaf=lambda x: isinstance(x, Slot)
         )
         out = call(tree, *args, **kwargs)
         return out, nnx.state(nodes)
 
     return packed_call
+
+
+def _slots(tree) -> list[Slot]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, Slot)]
 
 
 def update(nodes: tuple, state) -> None:

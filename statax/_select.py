@@ -35,6 +35,7 @@ import difflib
 import fnmatch
 import functools
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -282,12 +283,11 @@ def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
 
 
 def _is_module(x) -> bool:
+    """Whether `x` is an `eqx.Module` or a Flax NNX module (not one of its variables)."""
     if isinstance(x, eqx.Module):
         return True
-    from . import _nnx
-
-    is_node = _nnx.node_test()
-    return is_node is not None and is_node(x)
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
 
 
 def _roots(fn, tree, args, kwargs) -> list:

@@ -251,6 +251,13 @@ def test_nnx_modules(jit):
     np.testing.assert_allclose(
         inters["blocks[1].in_0"], stx.pull(call)(marked, X)[1]["blocks[0]_0"], rtol=1e-6
     )
+    # Gradients at the selection, with the model an argument (split into its state for
+    # JAX's grad, as nnx.grad does), against the marks by hand.
+    loss = lambda m, x: jnp.mean(call(m, x) ** 2)  # noqa: E731
+    got = stx.grad_inters(loss, at=stx.modules("blocks[*]"))(model, X)
+    assert_tree_allclose(got, stx.grad_inters(loss)(marked, X), rtol=1e-5)
+    with pytest.raises(TypeError, match="nnx.grad"):
+        stx.grad_inters(loss, argnums=0)(model, X)
 
 
 # ---- a transformer whose blocks run under lax.scan over stacked parameters ------------------
