@@ -210,9 +210,7 @@ def _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs):
 
     in_program = tuple(s for s in chosen if not isinstance(s, Modules))
     shifted = None if argnums is None else jax.tree.map(lambda i: i + 1, argnums)
-    value, *rest = _grad_inters(
-        pure, in_program, shifted, True, only, (packed, *args), kwargs
-    )
+    value, *rest = _grad_inters(pure, in_program, shifted, True, only, (packed, *args), kwargs)
     loss, aux_state = value
     aux, state = aux_state if has_aux else (None, aux_state)
     _nnx.update(nodes, state)
