@@ -130,6 +130,11 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     at = pulled.at
     if at:  # marks by object where the objects are live (in NNX's merge), in the program around
         call = _select.calling(call, at, objects=True, fn=fn)
+    # Places in the program: put into what `pull` traces; where something is planted, or
+    # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
+    planted = values is not None or pulled.planting is not None or _compat.PLANTING.value
+    in_program = at if at and not planted and not pulled.ran else ()
+    at = tuple(s for s in at if s not in in_program)
     eager = (
         _fastpaths.on
         and not at
@@ -151,11 +156,11 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
         leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
         call = _select.calling(_nnx.calling(call), at, objects=False)
-        (out, state), inters = _run(pulled, root, call, leaves, treedef, values)
+        (out, state), inters = _run(pulled, root, call, leaves, treedef, values, False, in_program)
         _nnx.update(nodes, state)
         return out, inters
     call = _select.calling(call, at, objects=False)
-    return _run(pulled, root, call, leaves, treedef, values, eager)
+    return _run(pulled, root, call, leaves, treedef, values, eager, in_program)
 
 
 # ---- eager calls of a function that is all one `jit` ------------------------------------------
@@ -272,12 +277,13 @@ def _one_jit(entry: _Entry) -> bool:
     )
 
 
-def _run(pulled, root, call, leaves, treedef, values, eager=False):
+def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
+    insert = _select.inserting(in_program)
     if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _staging.staging_trace()
         if trace is not None and _compat.PLANTING.value is None:
-            return _inline(trace, call, leaves, treedef, only, ran)
+            return _inline(trace, call, leaves, treedef, only, ran, insert)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     # Where the inputs are differentiated, the rules of custom derivatives run: their marks
     # are keys (see `handlers.custom_derivatives`); where they are not, there are none.
@@ -287,7 +293,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
         _compat.DIFFERENTIATING(differentiating),
         _compat.RAN_MASKS(ran),
     ):
-        entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at)
+        entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at, insert)
     if eager and _one_jit(entry):
         _compile(root, call, only, ran)
     if values is not None:  # `plant`: its values, checked against the marks
@@ -303,7 +309,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False):
     return _evaluate(entry, [*dynamic, *fed], ran, remark)
 
 
-def _inline(trace, call, leaves, treedef, only, ran):
+def _inline(trace, call, leaves, treedef, only, ran, insert=None):
     """`pull` where a jaxpr is being staged (under `jit`, `make_jaxpr`, in a loop body): the
     function is traced straight into it, as it would be unpulled. Its marks are handed over as
     they are made, and the equations that hold marks further in (a `jit`, a loop) are
@@ -322,23 +328,27 @@ def _inline(trace, call, leaves, treedef, only, ran):
         out = call(tree, *args, **kwargs)
         collector.trace = None  # (a mark made once the function has returned is not its own)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
-    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
+    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector, insert)
     if only is not None:
-        everything = lambda: _trace(None, call, leaves, treedef, *_traced_avals(leaves, treedef))  # noqa: E731
+        everything = lambda: _trace(  # noqa: E731
+            None, call, leaves, treedef, *_traced_avals(leaves, treedef), insert
+        )
         _check_only(only, metas, everything)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
         out = jax.tree_util.tree_unflatten(out_def, new_leaves)
     return out, _name(metas, flat, ran, _plans(metas))
 
 
-def _entry(root, call, leaves, treedef, only, at=()) -> tuple[_Entry, list]:
+def _entry(root, call, leaves, treedef, only, at=(), insert=None) -> tuple[_Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced, dynamic, key = arguments_key(leaves, treedef)
     key = (only, at, *key)
-    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1])  # noqa: E731
+    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1], insert)  # noqa: E731
     entry = cached(root, key, make)
     if only is not None and not entry.checked:
-        everything = lambda: _trace(root, call, leaves, treedef, traced, None, key[-1])  # noqa: E731
+        everything = lambda: _trace(  # noqa: E731
+            root, call, leaves, treedef, traced, None, key[-1], insert
+        )
         _check_only(only, entry.metas, everything)
         entry.checked.append(True)
     return entry, dynamic
@@ -531,7 +541,7 @@ def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
     return flat_fn
 
 
-def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
+def _trace(root, call, leaves, treedef, traced, only, avals, insert=None) -> _Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     collector = Collector()
@@ -546,7 +556,7 @@ def _trace(root, call, leaves, treedef, traced, only, avals) -> _Entry:
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True), collecting(collector):
             closed = _compat.trace(run, avals, "pull", source)
-        new, metas, ins = pull_collected(closed, collector.marks)
+        new, metas, ins = pull_collected(closed, collector.marks, insert)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)

@@ -47,12 +47,14 @@ from jax.extend import source_info_util as source_info_api
 from . import _compat
 from ._errors import SelectionError
 from ._interpreter import map_jaxprs
-from ._primitive import mark_as, save_inter
+from ._meta import ARRAY, StateMeta
+from ._primitive import COLLECTING, mark_as, save_inter, save_inter_p
 
 __all__ = [
     "Selection",
     "calling",
     "closest",
+    "inserting",
     "lines",
     "objects_marked",
     "modules",
@@ -486,9 +488,10 @@ def _evaluate(jaxpr, consts, args, stack: tuple, chosen: tuple) -> list:
             outs = _compat.bind(eqn.primitive, [read(v) for v in eqn.invars], params)
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
         for name, variables, location, reduce in plan.after.get(i, ()):
-            values = [read(v) for v in variables]
+            values = [read(v) for v in (eqn.outvars if variables is None else variables)]
             one = len(values) == 1
             marked = mark_as(values[0] if one else tuple(values), name, location, reduce)
+            variables = eqn.outvars if variables is None else variables
             env.update(zip(variables, [marked] if one else marked, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
@@ -527,8 +530,8 @@ def _plan(jaxpr, stack: tuple, chosen: tuple) -> _Plan:
             for i, eqn in enumerate(eqns):
                 if eqn.primitive.name in selection.names:
                     _refuse_transformed(selection, eqn, _stack_of(stack, eqn))
-                    where = _location(eqn)
-                    entry = (eqn.primitive.name, list(eqn.outvars), where, selection.reduce)
+                    # (its outputs, `None`: any it drops are given variables where marked)
+                    entry = (eqn.primitive.name, None, _location(eqn), selection.reduce)
                     after.setdefault(i, []).append(entry)
             outside.append(set(range(len(eqns))))
             continue
@@ -648,6 +651,87 @@ def _refuse_transformed(selection, eqn, stack: tuple) -> None:
 
 def _describe(chosen: Sequence[Selection]) -> str:
     return " and ".join(map(str, chosen))
+
+
+# ---- or marks put into a traced program (what `pull` does with them) ---------------------------
+
+
+def inserting(chosen: tuple[Selection, ...]) -> Callable | None:
+    """For `pull` (nothing planted, no `ran=`): a function that puts the marks the places in
+    the program `chosen` selects straight into a jaxpr `pull` traced, where the equations are
+    (as `save_inter`s a collecting `pull` would have bound there, in `jit`, loop bodies and
+    branches alike), or `None` where `chosen` selects nothing in the program. Cheaper than
+    evaluating the program again (`calling`): a pass over the equations."""
+    chosen = tuple(s for s in chosen if not isinstance(s, Modules))
+    return None if not chosen else functools.partial(_insert, chosen)
+
+
+def _insert(chosen: tuple, closed):
+    _check_found(closed, chosen)
+    if _compat.wraps_jaxpr(closed):
+        return jex.ClosedJaxpr(_inserted(closed.jaxpr, (), chosen), closed.consts)
+    return _inserted(closed, (), chosen)
+
+
+def _rebuilt(sub, stack: tuple, chosen: tuple):
+    if _compat.wraps_jaxpr(sub):
+        return jex.ClosedJaxpr(_inserted(sub.jaxpr, stack, chosen), sub.consts)
+    return _inserted(sub, stack, chosen)  # an open jaxpr (or one with its consts, JAX 0.11+)
+
+
+_SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
+
+
+def _inserted(jaxpr, stack: tuple, chosen: tuple):
+    """`jaxpr` (open) with a collecting mark after each selected place, read downstream."""
+    plan = _plan(jaxpr, stack, chosen)
+    if not plan.after and not plan.inside:
+        return jaxpr
+    selection = _compat.SELECTION.value  # `pull(fn, only=...)`: the marks it collects
+    renamed: dict = {}
+
+    def read(v):
+        return renamed.get(v, v) if isinstance(v, jex.Var) else v
+
+    eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        changes: dict[str, Any] = {}
+        invars = [read(v) for v in eqn.invars]
+        if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
+            changes["invars"] = invars
+        inside = plan.inside.get(i)
+        if inside is not None:
+            params = map_jaxprs(eqn.params, lambda sub: _rebuilt(sub, *inside))
+            changes["params"] = params
+            if any(_compat.SAVE_EFFECT in sub.effects for sub in _compat.jaxprs_in_params(params)):
+                changes["effects"] = eqn.effects | _SAVE_EFFECTS
+        after = plan.after.get(i, ())
+        if any(variables is None for _, variables, _, _ in after):  # a primitive's outputs
+            outvars = [jex.Var(v.aval) if _dropped(v) else v for v in eqn.outvars]
+            changes["outvars"] = outvars
+        eqns.append(eqn.replace(**changes) if changes else eqn)
+        for name, variables, location, reduce in after:
+            variables = eqns[-1].outvars if variables is None else variables
+            values = [read(v) for v in variables]
+            one = len(values) == 1
+            treedef = _LEAF if one else jax.tree_util.tree_structure(tuple(range(len(values))))
+            meta = StateMeta(name, treedef, (ARRAY,) * len(values), location, reduce=reduce)
+            if selection is not None and not selection(meta):
+                continue  # not collected: no mark at all
+            outs = [jex.Var(v.aval) for v in values]
+            params = {"meta": meta, "status": COLLECTING}
+            eqns.append(_compat.new_equation(values, outs, save_inter_p, params, _SAVE_EFFECTS))
+            renamed.update(zip(variables, outs, strict=True))
+    effects = set(jaxpr.effects).union(*(e.effects for e in eqns))
+    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars], effects=effects)
+
+
+def _dropped(v) -> bool:
+    """Whether `v` is an output nothing reads (`core.DropVar`, JAX 0.8 -- 0.12)."""
+    return type(v).__name__ == "DropVar"
+
+
+_LEAF = jax.tree_util.tree_structure(0)
 
 
 # ---- nothing matched ---------------------------------------------------------------------------
