@@ -457,21 +457,16 @@ def _folded(jaxpr: jex.Jaxpr, consts, outs, ins=()) -> Rewritten:
     return Rewritten(jex.ClosedJaxpr(jaxpr, consts), tuple(outs), tuple(ins))
 
 
-def pull_collected(
-    closed_jaxpr: jex.ClosedJaxpr,
-    marks: Sequence[tuple[int, StateMeta]],
-    insert: Callable | None = None,
-):
+def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, StateMeta]]):
     """`pull_jaxpr` for a jaxpr traced with a `Collector`: its last outputs are the leaves of
     the marks the collector took (`(position, meta)` each, see `Collector`), and the marks
-    that the walk finds in its equations go among them by position. `insert` puts more marks
-    into the jaxpr first (a selection's, `_select.inserting`)."""
+    that the walk finds in its equations go among them by position."""
     if not marks:
-        return pull_jaxpr(closed_jaxpr if insert is None else insert(closed_jaxpr))
+        return pull_jaxpr(closed_jaxpr)
     jaxpr = closed_jaxpr.jaxpr
     metas = [meta for _, meta in marks]
     num_out = len(jaxpr.outvars) - sum(m.num_arrays for m in metas)
-    if insert is None and not find_saves(jaxpr):  # every mark was collected: returned already
+    if not find_saves(jaxpr):  # every mark was collected: the jaxpr already returns them
         names = [f"statax:{m.name}" for m in metas for _ in range(m.num_arrays)]
         debug_info = _compat.extend_debug_info(jaxpr.debug_info, names, keep=num_out)
         return _folded(jaxpr.replace(debug_info=debug_info), closed_jaxpr.consts, metas)
@@ -501,13 +496,10 @@ def pull_collected(
         debug_info=_compat.extend_debug_info(jaxpr.debug_info, [], keep=num_out),
     )
     _known_marks(restored, (tuple(m for ms in per_eqn for m in ms), per_eqn))
-    closed = jex.ClosedJaxpr(restored, closed_jaxpr.consts)
-    return pull_jaxpr(closed if insert is None else insert(closed))
+    return pull_jaxpr(jex.ClosedJaxpr(restored, closed_jaxpr.consts))
 
 
-def pull_staged(
-    trace, start: int, outs: Sequence, collector, insert: Callable | None = None
-) -> tuple[list, list, tuple]:
+def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, list, tuple]:
     """`pull_collected` for a function traced straight into `trace` (`_staging.staging_trace`),
     from its position `start` on, with `collector` taking the marks made at `trace`'s level:
     the equations it staged that hold marks are rewritten in place, in `trace`.
@@ -516,7 +508,7 @@ def pull_staged(
     flat leaves of the intermediates, and their metas, in program order."""
     metas = tuple(meta for _, meta in collector.marks)
     marks_in = _saves_in(_staging.staged_as_held(trace, start))
-    if insert is None and not marks_in[0]:  # the usual case: every mark collected as made
+    if not marks_in[0]:  # the usual case: every mark was collected as it was made
         leaves = collector.leaves
         if any(m.reduce is not None for m in metas):
             metas, leaves = _reduce.merge(metas, leaves)
@@ -538,7 +530,7 @@ def pull_staged(
     jaxpr = jex.Jaxpr([], [], outvars, eqns, effects, _compat.debug_info("pull"))
     _known_marks(jaxpr, marks_in)
     marks = [(position - start, meta) for position, meta in collector.marks]
-    new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks, insert)
+    new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks)
     assert not ins, "marks are planted only where nothing is staged in place"
     new = new.jaxpr
     _staging.restage(trace, start, new.eqns, staged)

@@ -133,7 +133,8 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     # Places in the program: put into what `pull` traces; where something is planted, or
     # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
     planted = values is not None or pulled.planting is not None or _compat.PLANTING.value
-    in_program = at if at and not planted and not pulled.ran else ()
+    program = tuple(s for s in at if not isinstance(s, _select.Modules))
+    in_program = program if program and not planted and not pulled.ran else ()
     at = tuple(s for s in at if s not in in_program)
     eager = (
         _fastpaths.on
@@ -279,11 +280,10 @@ def _one_jit(entry: _Entry) -> bool:
 
 def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
-    insert = _select.inserting(in_program)
     if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _staging.staging_trace()
         if trace is not None and _compat.PLANTING.value is None:
-            return _inline(trace, call, leaves, treedef, only, ran, insert)
+            return _inline(trace, call, leaves, treedef, only, ran, in_program)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     # Where the inputs are differentiated, the rules of custom derivatives run: their marks
     # are keys (see `handlers.custom_derivatives`); where they are not, there are none.
@@ -293,7 +293,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
         _compat.DIFFERENTIATING(differentiating),
         _compat.RAN_MASKS(ran),
     ):
-        entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at, insert)
+        entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at, in_program)
     if eager and _one_jit(entry):
         _compile(root, call, only, ran)
     if values is not None:  # `plant`: its values, checked against the marks
@@ -309,7 +309,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
     return _evaluate(entry, [*dynamic, *fed], ran, remark)
 
 
-def _inline(trace, call, leaves, treedef, only, ran, insert=None):
+def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
     """`pull` where a jaxpr is being staged (under `jit`, `make_jaxpr`, in a loop body): the
     function is traced straight into it, as it would be unpulled. Its marks are handed over as
     they are made, and the equations that hold marks further in (a `jit`, a loop) are
@@ -328,10 +328,13 @@ def _inline(trace, call, leaves, treedef, only, ran, insert=None):
         out = call(tree, *args, **kwargs)
         collector.trace = None  # (a mark made once the function has returned is not its own)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
-    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector, insert)
+    if in_program:
+        with selecting(only):
+            _select.collected_staged(trace, start, out_leaves, collector, in_program)
+    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if only is not None:
         everything = lambda: _trace(  # noqa: E731
-            None, call, leaves, treedef, *_traced_avals(leaves, treedef), insert
+            None, call, leaves, treedef, *_traced_avals(leaves, treedef), in_program
         )
         _check_only(only, metas, everything)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
@@ -339,15 +342,15 @@ def _inline(trace, call, leaves, treedef, only, ran, insert=None):
     return out, _name(metas, flat, ran, _plans(metas))
 
 
-def _entry(root, call, leaves, treedef, only, at=(), insert=None) -> tuple[_Entry, list]:
+def _entry(root, call, leaves, treedef, only, at=(), in_program=()) -> tuple[_Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced, dynamic, key = arguments_key(leaves, treedef)
     key = (only, at, *key)
-    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1], insert)  # noqa: E731
+    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1], in_program)  # noqa: E731
     entry = cached(root, key, make)
     if only is not None and not entry.checked:
         everything = lambda: _trace(  # noqa: E731
-            root, call, leaves, treedef, traced, None, key[-1], insert
+            root, call, leaves, treedef, traced, None, key[-1], in_program
         )
         _check_only(only, entry.metas, everything)
         entry.checked.append(True)
@@ -541,7 +544,7 @@ def flat_function(call, leaves, treedef, traced, out_info: list) -> Callable:
     return flat_fn
 
 
-def _trace(root, call, leaves, treedef, traced, only, avals, insert=None) -> _Entry:
+def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     collector = Collector()
@@ -556,13 +559,16 @@ def _trace(root, call, leaves, treedef, traced, only, avals, insert=None) -> _En
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
         with _compat.PULLING(True), collecting(collector):
             closed = _compat.trace(run, avals, "pull", source)
-        new, metas, ins = pull_collected(closed, collector.marks, insert)
+        n = len(closed.jaxpr.outvars) - len(collector.leaves)  # the function's own outputs
+        marks = collector.marks
+        if in_program:
+            closed, marks = _select.collected(closed, marks, in_program)
+        new, metas, ins = pull_collected(closed, marks)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)
     )
     in_avals = tuple(new.in_avals[len(avals) :])
-    n = len(closed.jaxpr.outvars) - len(collector.leaves)
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
     call_params = None if escaped else _compat.jit_call_params(new, _name_of(root))
     return _Entry(

@@ -54,7 +54,8 @@ __all__ = [
     "Selection",
     "calling",
     "closest",
-    "inserting",
+    "collected",
+    "collected_staged",
     "lines",
     "objects_marked",
     "modules",
@@ -429,7 +430,7 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
 
     arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
     closed = _compat.trace(flat, [jax.typeof(x) for x in arrays], name="select")
-    _check_found(closed, chosen)
+    _check_found((closed.jaxpr if _compat.wraps_jaxpr(closed) else closed).eqns, chosen)
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
     out_def, out_leaves, is_array = out_info[0]
     full = [next(outs) if a else x for x, a in zip(out_leaves, is_array, strict=True)]
@@ -467,7 +468,7 @@ class _Plan:
 
 def _evaluate(jaxpr, consts, args, stack: tuple, chosen: tuple) -> list:
     """Evaluate `jaxpr` in the current trace, with the selected values marked."""
-    plan = _plan(jaxpr, stack, chosen)
+    plan = _plan(jaxpr.eqns, jaxpr.outvars, stack, chosen)
     env: dict = {}
 
     def read(v):
@@ -515,14 +516,13 @@ def _stack_of(stack: tuple, eqn) -> tuple:
     return (*stack, *eqn.source_info.name_stack.stack)
 
 
-def _plan(jaxpr, stack: tuple, chosen: tuple) -> _Plan:
-    eqns = jaxpr.eqns
+def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Plan:
     last_use: dict = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
             if isinstance(v, jex.Var):
                 last_use[v] = i
-    returned = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    returned = {v for v in outvars if isinstance(v, jex.Var)}
     after: dict[int, list] = {}
     outside: list[set[int]] = []  # per selection, the equations outside its regions
     for selection in chosen:
@@ -656,21 +656,91 @@ def _describe(chosen: Sequence[Selection]) -> str:
 # ---- or marks put into a traced program (what `pull` does with them) ---------------------------
 
 
-def inserting(chosen: tuple[Selection, ...]) -> Callable | None:
-    """For `pull` (nothing planted, no `ran=`): a function that puts the marks the places in
-    the program `chosen` selects straight into a jaxpr `pull` traced, where the equations are
-    (as `save_inter`s a collecting `pull` would have bound there, in `jit`, loop bodies and
-    branches alike), or `None` where `chosen` selects nothing in the program. Cheaper than
-    evaluating the program again (`calling`): a pass over the equations."""
-    chosen = tuple(s for s in chosen if not isinstance(s, Modules))
-    return None if not chosen else functools.partial(_insert, chosen)
+# For `pull` (nothing planted, no `ran=`), cheaper than evaluating the program again (`calling`):
+# a pass over the equations `pull` traced. A value selected at the pull's own level is handed to
+# its `Collector`, as a `save_inter` there hands its value; one further in (a loop body, a
+# branch, a `jit`) gets a collecting mark in the jaxpr there, as a `save_inter` would have bound.
 
 
-def _insert(chosen: tuple, closed):
-    _check_found(closed, chosen)
+def collected(closed, marks: list, chosen: tuple) -> tuple[Any, list]:
+    """`(closed, marks)`, a jaxpr `pull` traced and what its `Collector` took, with the
+    places `chosen` selects marked."""
+    jaxpr = closed.jaxpr if _compat.wraps_jaxpr(closed) else closed
+    num_out = len(jaxpr.outvars) - sum(m.num_arrays for _, m in marks)
+    top, rewritten = _collect(jaxpr.eqns, jaxpr.outvars[:num_out], chosen)
+    if not top and not rewritten:
+        return closed, marks
+    leaves = iter(jaxpr.outvars[num_out:])
+    given = [(p, m, [next(leaves) for _ in range(m.num_arrays)]) for p, m in marks]
+    merged = sorted([*given, *top], key=lambda mark: mark[0])  # (stable: given first)
+    eqns = [rewritten.get(i, eqn) for i, eqn in enumerate(jaxpr.eqns)]
+    new = jaxpr.replace(
+        eqns=eqns,
+        outvars=[*jaxpr.outvars[:num_out], *(v for _, _, vs in merged for v in vs)],
+        effects=set(jaxpr.effects).union(*(e.effects for e in rewritten.values())),
+    )
     if _compat.wraps_jaxpr(closed):
-        return jex.ClosedJaxpr(_inserted(closed.jaxpr, (), chosen), closed.consts)
-    return _inserted(closed, (), chosen)
+        new = jex.ClosedJaxpr(new, closed.consts)
+    return new, [(p, m) for p, m, _ in merged]
+
+
+def collected_staged(trace, start: int, outs: Sequence, collector, chosen: tuple) -> None:
+    """`collected` for a function `pull` traced straight into `trace` from `start` on
+    (`_staging.staging_trace`): the selected values at its level go to `collector`, the
+    equations that hold others are restaged with their marks."""
+    from . import _staging
+
+    eqns = [_staging.as_equation(e) for e in _staging.staged_as_held(trace, start)]
+    returned = [v for v in (_staging.var_of(trace, x) for x in outs) if v is not None]
+    top, rewritten = _collect(eqns, returned, chosen)
+    if rewritten:
+        staged = _staging.staged(trace, start)
+        new = [rewritten.get(i, eqn) for i, (eqn, _) in enumerate(staged)]
+        _staging.restage(trace, start, new, staged)
+    if not top:
+        return
+    leaves = iter(collector.leaves)
+    given = [(p, m, [next(leaves) for _ in range(m.num_arrays)]) for p, m in collector.marks]
+    found = [(start + p, m, [_staging.tracer_of(trace, v) for v in vs]) for p, m, vs in top]
+    merged = sorted([*given, *found], key=lambda mark: mark[0])
+    collector.marks[:] = [(p, m) for p, m, _ in merged]
+    collector.leaves[:] = [x for _, _, xs in merged for x in xs]
+
+
+def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, dict]:
+    """`(top, rewritten)`: the marks at this level, `(position, meta, variables)` (`position`:
+    how many equations precede them), and the equations that hold others, by index."""
+    _check_found(eqns, chosen)
+    plan = _plan(eqns, returned, (), chosen)
+    selection = _compat.SELECTION.value  # `pull(fn, only=...)`: the marks it collects
+    top = []
+    for i, entries in sorted(plan.after.items()):
+        for name, variables, location, reduce in entries:
+            variables = eqns[i].outvars if variables is None else variables
+            meta = _meta_of(name, len(variables), location, reduce)
+            if selection is None or selection(meta):
+                top.append((i + 1, meta, list(variables)))
+    if any(_dropped(v) for _, _, vs in top for v in vs):  # an output nothing reads: no value
+        raise SelectionError(
+            f"{_describe(chosen)} selects an output of a primitive that the program drops; "
+            "select the values around it."
+        )
+    rewritten = {i: _with_marks_inside(eqns[i], inside) for i, inside in plan.inside.items()}
+    return top, rewritten
+
+
+def _meta_of(name: str, n: int, location: str, reduce) -> StateMeta:
+    treedef = _LEAF if n == 1 else jax.tree_util.tree_structure(tuple(range(n)))
+    return StateMeta(name, treedef, (ARRAY,) * n, location, reduce=reduce)
+
+
+def _with_marks_inside(eqn, inside: tuple):
+    """`eqn` with its jaxprs marked inside (`inside`: `(stack, selections)`)."""
+    params = map_jaxprs(eqn.params, lambda sub: _rebuilt(sub, *inside))
+    subs = _compat.jaxprs_in_params(params)
+    if any(_compat.SAVE_EFFECT in sub.effects for sub in subs):
+        return eqn.replace(params=params, effects=eqn.effects | _SAVE_EFFECTS)
+    return eqn.replace(params=params)
 
 
 def _rebuilt(sub, stack: tuple, chosen: tuple):
@@ -684,7 +754,7 @@ _SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
 
 def _inserted(jaxpr, stack: tuple, chosen: tuple):
     """`jaxpr` (open) with a collecting mark after each selected place, read downstream."""
-    plan = _plan(jaxpr, stack, chosen)
+    plan = _plan(jaxpr.eqns, jaxpr.outvars, stack, chosen)
     if not plan.after and not plan.inside:
         return jaxpr
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: the marks it collects
@@ -701,10 +771,8 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
             changes["invars"] = invars
         inside = plan.inside.get(i)
         if inside is not None:
-            params = map_jaxprs(eqn.params, lambda sub: _rebuilt(sub, *inside))
-            changes["params"] = params
-            if any(_compat.SAVE_EFFECT in sub.effects for sub in _compat.jaxprs_in_params(params)):
-                changes["effects"] = eqn.effects | _SAVE_EFFECTS
+            marked = _with_marks_inside(eqn, inside)
+            changes["params"], changes["effects"] = marked.params, marked.effects
         after = plan.after.get(i, ())
         if any(variables is None for _, variables, _, _ in after):  # a primitive's outputs
             outvars = [jex.Var(v.aval) if _dropped(v) else v for v in eqn.outvars]
@@ -713,9 +781,7 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
         for name, variables, location, reduce in after:
             variables = eqns[-1].outvars if variables is None else variables
             values = [read(v) for v in variables]
-            one = len(values) == 1
-            treedef = _LEAF if one else jax.tree_util.tree_structure(tuple(range(len(values))))
-            meta = StateMeta(name, treedef, (ARRAY,) * len(values), location, reduce=reduce)
+            meta = _meta_of(name, len(values), location, reduce)
             if selection is not None and not selection(meta):
                 continue  # not collected: no mark at all
             outs = [jex.Var(v.aval) for v in values]
@@ -737,10 +803,22 @@ _LEAF = jax.tree_util.tree_structure(0)
 # ---- nothing matched ---------------------------------------------------------------------------
 
 
-def _check_found(closed, chosen: tuple) -> None:
-    """Raise where a pattern, primitive or place of `chosen` matches nothing in `closed`."""
+def _wanted(selection) -> list:
+    if isinstance(selection, Primitives):
+        return sorted(selection.names)
+    if isinstance(selection, Scopes):
+        return list(selection.patterns)
+    return list(selection.places)
+
+
+def _check_found(eqns: Sequence, chosen: tuple) -> None:
+    """Raise where a pattern, primitive or place of `chosen` matches nothing in `eqns` (at
+    any depth)."""
     found: set = set()
-    for stack, eqn in _walk(closed.jaxpr, ()):
+    wanted = sum(len(_wanted(s)) for s in chosen)
+    for stack, eqn in _walk_eqns(eqns, ()):
+        if len(found) == wanted:
+            return
         for selection in chosen:
             if isinstance(selection, Primitives):
                 if eqn.primitive.name in selection.names:
@@ -755,38 +833,36 @@ def _check_found(closed, chosen: tuple) -> None:
                     if Lines(((file, line),)).region(eqn) is not None:
                         found.add((selection, (file, line)))
     for selection in chosen:
-        if isinstance(selection, Primitives):
-            wanted = sorted(selection.names)
-        elif isinstance(selection, Scopes):
-            wanted = list(selection.patterns)
-        else:
-            wanted = list(selection.places)
-        missing = [w for w in wanted if (selection, w) not in found]
+        missing = [w for w in _wanted(selection) if (selection, w) not in found]
         if missing:
-            _nothing_found(selection, missing[0], closed)
+            _nothing_found(selection, missing[0], eqns)
 
 
-def _walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
-    jaxpr = jaxpr.jaxpr if _compat.wraps_jaxpr(jaxpr) else jaxpr
-    for eqn in jaxpr.eqns:
+def _walk_eqns(eqns: Sequence, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+    for eqn in eqns:
         yield stack, eqn
         for sub in _compat.jaxprs_in_params(eqn.params):
             yield from _walk(sub, _stack_of(stack, eqn))
 
 
-def _nothing_found(selection, wanted, closed) -> None:
+def _walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+    jaxpr = jaxpr.jaxpr if _compat.wraps_jaxpr(jaxpr) else jaxpr
+    yield from _walk_eqns(jaxpr.eqns, stack)
+
+
+def _nothing_found(selection, wanted, eqns) -> None:
     if isinstance(selection, Primitives):
-        what, there = f"primitive {wanted!r}", {e.primitive.name for _, e in _walk(closed, ())}
+        what, there = f"primitive {wanted!r}", {e.primitive.name for _, e in _walk_eqns(eqns, ())}
         kind = "primitives"
     elif isinstance(selection, Scopes):
         there = set()
-        for stack, eqn in _walk(closed, ()):
+        for stack, eqn in _walk_eqns(eqns, ()):
             names = [e.name for e in _stack_of(stack, eqn) if not _is_transform(e)]
             there.update("/".join(names[: k + 1]) for k in range(len(names)))
         what, kind = f"scope {wanted!r}", "scopes"
     else:
         wanted = f"{wanted[0]}:{wanted[1]}"
-        there = {_short(_location(e)) for _, e in _walk(closed, ())} - {"<unknown>"}
+        there = {_short(_location(e)) for _, e in _walk_eqns(eqns, ())} - {"<unknown>"}
         what, kind = f"line {wanted!r}", "lines (where each equation was made)"
     listed = closest(wanted, sorted(there)) if there else "none"
     raise SelectionError(
