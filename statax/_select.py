@@ -535,7 +535,7 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
                     after.setdefault(i, []).append(entry)
             outside.append(set(range(len(eqns))))
             continue
-        regions = [_region(selection, stack, eqn) for eqn in eqns]
+        regions = _regions(selection, stack, eqns)
         outside.append({i for i, r in enumerate(regions) if r is None})
         for start, end in _runs(regions):
             name, transformed = regions[start]
@@ -566,6 +566,22 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
                 )
             inside[i] = (inner_stack, going_on)
     return _Plan(after, inside)
+
+
+def _regions(selection, stack: tuple, eqns: Sequence) -> list:
+    """`_region` of each of `eqns`; for scopes, once per name stack (equations made in one
+    scope share it)."""
+    if not isinstance(selection, Scopes):
+        return [_region(selection, stack, eqn) for eqn in eqns]
+    seen: dict[int, Any] = {}
+    regions = []
+    for eqn in eqns:
+        names = eqn.source_info.name_stack
+        key = id(names)
+        if key not in seen:
+            seen[key] = (names, selection.region((*stack, *names.stack)))  # (names: kept alive)
+        regions.append(seen[key][1])
+    return regions
 
 
 def _region(selection, stack: tuple, eqn) -> tuple[str, bool] | None:
