@@ -441,18 +441,13 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
 # take the new jaxpr as they took the old (the same inputs and outputs).
 _REACHED = frozenset(
     {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "scan",
-        "while",
-        "cond",
-        "checkpoint",
-        "remat",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
+        _compat.JIT_PRIMITIVE.name,
+        _compat.REMAT_PRIMITIVE.name,
+        *(p.name for p in (jex.primitives.closed_call_p, jex.primitives.call_p)),
+        *(p.name for p in (jex.primitives.scan_p, jex.primitives.while_p, jex.primitives.cond_p)),
+        jex.primitives.custom_jvp_call_p.name,
+        jex.primitives.custom_vjp_call_p.name,
+        "custom_vjp_call_jaxpr",  # (JAX < 0.9's custom_vjp)
     }
 )
 

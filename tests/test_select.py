@@ -260,6 +260,28 @@ def test_nnx_modules(jit):
         stx.grad_inters(loss, argnums=0)(model, X)
 
 
+@pytest.mark.parametrize("order", ["nnx_vmap", "nnx_grad", "nnx_scan"])
+def test_nnx_modules_inside_nnx_transforms(order):
+    model, marked = nnx_models()
+    if order == "nnx_vmap":
+        f, x = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0)), XS
+    elif order == "nnx_grad":
+        f, x = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)), X
+    else:
+
+        @nnx.scan(in_axes=(None, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def steps(m, c, x):
+            return c, m(x)
+
+        f, x = (lambda m, xs: steps(m, 0.0, xs)[1]), XS
+    got = stx.pull(f, at=stx.modules("blocks[*]"))(model, x)
+    want = stx.pull(f)(marked, x)
+    assert_tree_allclose(got[1], want[1], rtol=1e-6)
+    if order != "nnx_grad":
+        assert_tree_allclose(got[0], want[0], rtol=1e-6)
+        assert got[1]["blocks[0]_0"].shape == (3, 2, 4)  # per batch, or per step
+
+
 # ---- a transformer whose blocks run under lax.scan over stacked parameters ------------------
 
 
@@ -390,8 +412,40 @@ def test_a_selection_in_a_branch_and_a_custom_rule():
     sel = stx.scopes("inside", "rule_fn")
     for take in (True, False):
         for wrap in (lambda h: h, jax.jit):
-            got = wrap(stx.pull(f, at=sel, ran=True))(X, take)
-            assert_tree_allclose(got, wrap(stx.pull(by_hand, ran=True))(X, take), rtol=1e-6)
+            for ran in (False, True):  # (marks put into the jaxpr; the program evaluated again)
+                got = wrap(stx.pull(f, at=sel, ran=ran))(X, take)
+                want = wrap(stx.pull(by_hand, ran=ran))(X, take)
+                assert_tree_allclose(got, want, rtol=1e-6)
+    # Planted there, and differentiated there, as by hand.
+    patch = {"inside_0": lambda v: v * 0.5, "rule_fn_0": lambda v: v + 1.0}
+    got = stx.plant(f, at=sel)(patch, X, True)
+    assert_tree_allclose(got, stx.plant(by_hand)(patch, X, True), rtol=1e-6)
+    loss = lambda g: lambda x, take: jnp.sum(g(x, take))  # noqa: E731
+    got = stx.grad_inters(loss(f), at=sel)(X, True)
+    assert_tree_allclose(got, stx.grad_inters(loss(by_hand))(X, True), rtol=1e-6)
+
+
+def test_a_selection_under_checkpoint_is_marked_once():
+    def f(x):
+        def block(x):
+            with jax.named_scope("block"):
+                return jnp.sin(x) * 2.0
+
+        return jnp.sum(jax.checkpoint(block)(x) ** 2)
+
+    def by_hand(x):
+        block = lambda x: stx.save_inter(jnp.sin(x) * 2.0, name="block")  # noqa: E731
+        return jnp.sum(jax.checkpoint(block)(x) ** 2)
+
+    sel = stx.scopes("block")
+    assert_tree_allclose(stx.pull(f, at=sel)(X), stx.pull(by_hand)(X), rtol=1e-6)
+
+    def outside(g, **kwargs):  # grad(pull(f)): the recomputation in the backward pass
+        return jax.grad(lambda x: stx.pull(g, **kwargs)(x), has_aux=True)(X)
+
+    got = outside(f, at=sel)
+    assert_tree_allclose(got, outside(by_hand), rtol=1e-6)
+    assert list(got[1]) == ["block_0"]  # once
 
 
 def test_primitives_and_lines():
