@@ -222,15 +222,14 @@ def total(run):
     return lambda x: (lambda out, aux: (jnp.sum(out), aux))(*run(x))
 
 
-# Corners the matrix found where statax is not yet right, each a test that fails today (strict:
-# it fails the suite once it passes, so that it is taken off), and corners JAX refuses.
+# Corners JAX itself refuses.
 _AS_WRITTEN = (
     "differentiated as written (a planted or stateful custom-derivative function), JAX refuses "
     "reverse mode through the while loop inside equinox's checkpointed loop"
 )
-KNOWN = {
-    ("equinox_loop", "state", "grad_out"): ("skip", _AS_WRITTEN),
-    ("equinox_loop", "plant", "grad_out"): ("skip", _AS_WRITTEN),
+REFUSED = {
+    ("equinox_loop", "state", "grad_out"): _AS_WRITTEN,
+    ("equinox_loop", "plant", "grad_out"): _AS_WRITTEN,
 }
 # plant(grad(f)) of a custom_jvp/custom_vjp function: `grad` has put the rule in place of the
 # function's derivative before `plant` sees the program, so the planted value changes the
@@ -278,18 +277,15 @@ def reference(transform, ref_run, construct=None, parts=()):
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("composition", COMPOSITIONS)
 @pytest.mark.parametrize("construct", CONSTRUCTS)
-def test_composition_matrix(construct, composition, transform, fast, request):
+def test_composition_matrix(construct, composition, transform, fast):
     body, ref, differentiable = CONSTRUCTS[construct]
     if transform.startswith("grad") and not differentiable:
         pytest.skip("JAX cannot differentiate this construct in reverse mode")
     compose, state, parts, scale = COMPOSITIONS[composition]
-    known = KNOWN.get((construct, composition if composition in ("pull", "plant") else "state",
-                       transform))  # fmt: skip
-    if known is not None:
-        kind, reason = known
-        if kind == "skip":
-            pytest.skip(reason)
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    refused = REFUSED.get((construct, composition if composition in ("pull", "plant") else "state",
+                           transform))  # fmt: skip
+    if refused is not None:
+        pytest.skip(refused)
     f = lambda x: body(x, state)  # noqa: E731
     with _fastpaths.enabled(fast):
         run, x = apply(transform, compose, f)
