@@ -323,14 +323,20 @@ def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
     start = _staging.trace_length(trace)
-    with selecting(only), _compat.PULLING(True), _compat.RAN_MASKS(ran), collecting(collector):
+    with (
+        selecting(only),
+        _compat.PULLING(True),
+        _compat.RAN_MASKS(ran),
+        collecting(collector),
+        _select.linen_marked(in_program) as chosen,
+    ):
         collector.trace = trace
         out = call(tree, *args, **kwargs)
         collector.trace = None  # (a mark made once the function has returned is not its own)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
     if in_program:
         with selecting(only):
-            _select.collected_staged(trace, start, out_leaves, collector, in_program)
+            _select.collected_staged(trace, start, out_leaves, collector, chosen())
     new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if only is not None:
         everything = lambda: _trace(  # noqa: E731
@@ -557,12 +563,12 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _
 
     source = root.__call__ if isinstance(root, type) else root
     with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
-        with _compat.PULLING(True), collecting(collector):
+        with _compat.PULLING(True), collecting(collector), _select.linen_marked(in_program) as sel:
             closed = _compat.trace(run, avals, "pull", source)
         n = len(closed.jaxpr.outvars) - len(collector.leaves)  # the function's own outputs
         marks = collector.marks
         if in_program:
-            closed, marks = _select.collected(closed, marks, in_program)
+            closed, marks = _select.collected(closed, marks, sel())
         new, metas, ins = pull_collected(closed, marks)
     out_def, out_static = out_info[0]
     literals = tuple(

@@ -57,6 +57,7 @@ __all__ = [
     "collected",
     "collected_staged",
     "lines",
+    "linen_marked",
     "objects_marked",
     "modules",
     "primitives",
@@ -76,11 +77,14 @@ class Selection:
 class Scopes(Selection):
     patterns: tuple[str, ...]
     reduce: str | None = None
+    marked: frozenset[str] = frozenset()  # scopes marked as they ran (Flax Linen modules)
 
     def region(self, stack: tuple) -> tuple[str, bool] | None:
         """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements)
-        that one of the patterns matches, and whether a transformation encloses it."""
-        return _scope_region(self.patterns, stack)
+        that one of the patterns matches, and whether a transformation encloses it; `None`
+        also for one marked already."""
+        region = _scope_region(self.patterns, stack)
+        return None if region is None or region[0] in self.marked else region
 
     def __str__(self) -> str:
         return f"stx.scopes({', '.join(map(repr, self.patterns))})"
@@ -182,8 +186,9 @@ def modules(
             `"blocks/0/attn"` alike; `*` for every item of a list or dict: `"blocks[*]"`), or a
             function of the model returning the submodule (`lambda m: m.blocks[0].attn`, as
             `eqx.tree_at`'s `where`).
-        inputs: also mark the positional (and keyword) arguments of each call, keyed
-            `f"{path}.in"`.
+        inputs: also mark the arguments of each call, keyed `f"{path}.in"`: the argument
+            where there is one, the tuple of positional arguments where there are several,
+            `(args, kwargs)` where there are keyword arguments.
         of: the model the paths start from. By default the callable itself where it is a
             module (or a method of one), else the first argument that is an `eqx.Module` or a
             Flax NNX module.
@@ -224,6 +229,9 @@ def calling(call: Callable, at: tuple[Selection, ...], *, objects: bool, fn=None
     by object (`objects=True`, where the live objects are: inside Flax NNX's merge) or in the
     program."""
     if objects:
+        scopes = tuple(s for s in at if isinstance(s, Scopes))
+        if scopes:
+            call = functools.partial(_with_linen, call, scopes)
         chosen = tuple(s for s in at if isinstance(s, Modules))
         return call if not chosen else functools.partial(_with_modules, call, chosen, fn)
     chosen = tuple(s for s in at if not isinstance(s, Modules))
@@ -234,15 +242,16 @@ def calling(call: Callable, at: tuple[Selection, ...], *, objects: bool, fn=None
 
 
 @contextlib.contextmanager
-def objects_marked(at: tuple[Selection, ...], fn=None, tree=None, args=(), kwargs=None):
-    """Within, the objects that the module selections of `at` select mark their calls: those
-    of an `of=` model (before `pull` flattens its arguments, so that what it rebuilds is of the
-    marking class), or, given the call's arguments, those of the model found among them."""
+def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
+    """Within, the objects that the module selections of `at` select mark their calls. With
+    no `call`, those of `of=` models (before `pull` flattens its arguments, so that what it
+    rebuilds is of the marking class); with `call`, `(fn, tree, args, kwargs)`, those of the
+    model found there (`_roots`), for selections without `of=`."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
     for selection in at:
-        if not isinstance(selection, Modules) or (selection.of is None) != (kwargs is not None):
+        if not isinstance(selection, Modules) or (selection.of is None) == (call is None):
             continue
-        roots = [selection.of] if kwargs is None else _roots(fn, tree, args, kwargs)
+        roots = [selection.of] if call is None else _roots(*call)
         for path in selection.paths:
             for name, obj in _resolve_in(roots, path):
                 targets.setdefault(id(obj), (obj, name, selection))
@@ -269,7 +278,7 @@ def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
     try:
         with (
             objects_marked(chosen) as given,
-            objects_marked(chosen, fn, tree, args, kwargs) as found,
+            objects_marked(chosen, (fn, tree, args, kwargs)) as found,
         ):
             out = call(tree, *args, **kwargs)
     finally:
@@ -397,17 +406,79 @@ def _marking(cls: type, name: str, selection: Modules) -> type:
         called = _CALLED.get()
         if called is not None:
             called.add(name)
-        if inputs and kwargs:
-            args, kwargs = save_inter((args, kwargs), name=f"{name}.in")
+        if inputs and kwargs:  # (the inputs are marked as the call has them)
+            args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
+        elif inputs and len(args) == 1:
+            args = (save_inter(args[0], name=f"{name}.in", reduce=reduce),)
         elif inputs:
-            args = (save_inter(args[0], name=f"{name}.in"),) if len(args) == 1 else args
-            args = save_inter(args, name=f"{name}.in") if len(args) != 1 else args
+            args = save_inter(args, name=f"{name}.in", reduce=reduce)
         return save_inter(original(self, *args, **kwargs), name=name, reduce=reduce)
 
     namespace = {"__call__": __call__, "__module__": cls.__module__, "_statax_marks": name}
     sub = type(cls)(cls.__name__, (cls,), namespace)
     sub.__qualname__ = cls.__qualname__
     return sub
+
+
+# ---- Flax Linen modules: their scopes marked where they run ------------------------------------
+#
+# Linen runs each module method under a named scope of its path (`Model/Block_0`), and lets an
+# interceptor run inside that scope (`nn.intercept_methods`). A selected scope that is a
+# module's is marked there, on the method's output, as it runs: inside a `vmap` or a derivative
+# as a `save_inter` at the end of the method would be. The program-level pass then skips it.
+
+_LINEN_MARKED: contextvars.ContextVar[set | None] = contextvars.ContextVar(
+    "statax_linen_marked", default=None
+)
+
+
+def _with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
+    linen = sys.modules.get("flax.linen")
+    marked = _LINEN_MARKED.get()
+    if linen is None or marked is None:
+        return call(tree, *args, **kwargs)
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        stack = source_info_api.current_name_stack().stack
+        names = [e.name for e in stack if not _is_transform(e)]
+        path = "/".join(names)
+        for selection in chosen:
+            region = _scope_region(selection.patterns, stack)
+            if region is not None and region[0] == path:  # this module's own scope
+                marked.add(path)
+                return mark_as(out, path, _outside_libraries(), selection.reduce)
+        return out
+
+    with linen.intercept_methods(interceptor):
+        return call(tree, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def linen_marked(chosen: tuple[Selection, ...]):
+    """Within, the Linen modules whose scopes `chosen` selects are marked as they run; yields
+    `chosen` as a function of nothing, for once they have run: its scope selections then skip
+    the scopes marked so."""
+    marked: set = set()
+    token = _LINEN_MARKED.set(marked)
+    try:
+        yield lambda: tuple(
+            dataclasses.replace(s, marked=frozenset(marked)) if isinstance(s, Scopes) else s
+            for s in chosen
+        )
+    finally:
+        _LINEN_MARKED.reset(token)
+
+
+_LIBRARIES = ("/flax/", "/jax/", "/statax/", "/equinox/", "/contextlib.py")
+
+
+def _outside_libraries() -> str:
+    """`"file:line"` of the innermost frame outside Flax, JAX, equinox and statax."""
+    frame = sys._getframe(2)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 # ---- places in the program --------------------------------------------------------------------
@@ -429,8 +500,10 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
         return [x for x, a in zip(out_leaves, is_array, strict=True) if a]
 
     arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
-    closed = _compat.trace(flat, [jax.typeof(x) for x in arrays], name="select")
+    with linen_marked(chosen) as after_marking:
+        closed = _compat.trace(flat, [jax.typeof(x) for x in arrays], name="select")
     _check_found((closed.jaxpr if _compat.wraps_jaxpr(closed) else closed).eqns, chosen)
+    chosen = after_marking()
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
     out_def, out_leaves, is_array = out_info[0]
     full = [next(outs) if a else x for x, a in zip(out_leaves, is_array, strict=True)]

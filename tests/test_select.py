@@ -181,16 +181,23 @@ def test_a_selection_is_the_marks_written_by_hand(case, order):
     assert len(jax.tree.leaves(want)) >= 4  # the output and three blocks, at least
 
 
-def test_linen_scopes_in_the_other_orders_say_where_to_put_the_transform():
-    # pull(vmap(f)) and pull(grad(f)): the transformation is applied inside the function, so
-    # the values in the program are batched, or stand beside their tangents.
+def test_linen_scopes_inside_vmap_grad_jit_and_scan():
+    # A Linen module's scope is marked where the module runs (Flax's method interceptor): in
+    # pull(vmap(f)) and pull(grad(f)) too, as the marks by hand.
     sel = stx.scopes("Model/Block_*")
-    with pytest.raises(stx.SelectionError, match=r"under `vmap`.*jax.vmap\(stx.pull"):
-        stx.pull(jax.vmap(LINEN.apply, in_axes=(None, 0)), at=sel)(LINEN_PARAMS, XS)
-    loss = lambda p, x: jnp.sum(LINEN.apply(p, x) ** 2)  # noqa: E731
-    with pytest.raises(stx.SelectionError, match="under `jvp`"):
-        stx.pull(jax.grad(loss), at=sel)(LINEN_PARAMS, X)
-    # Inside `jit` and `scan` nothing is transformed: the selection reaches in.
+    marked = Model(marked=True)
+    f, g = jax.vmap(LINEN.apply, in_axes=(None, 0)), jax.vmap(marked.apply, in_axes=(None, 0))
+    got = stx.pull(f, at=sel)(LINEN_PARAMS, XS)
+    assert_tree_allclose(got, stx.pull(g)(LINEN_PARAMS, XS), rtol=1e-6)
+    assert got[1]["Model/Block_0_0"].shape == (3, 2, 4)  # batch first
+    hook = {"Model/Block_1_0": lambda v: v * 0.5}
+    assert_tree_allclose(
+        stx.plant(f, at=sel)(hook, LINEN_PARAMS, XS), stx.plant(g)(hook, LINEN_PARAMS, XS)
+    )
+    loss = lambda model: lambda p, x: jnp.sum(model.apply(p, x) ** 2)  # noqa: E731
+    got = stx.pull(jax.grad(loss(LINEN)), at=sel)(LINEN_PARAMS, X)
+    assert_tree_allclose(got, stx.pull(jax.grad(loss(marked)))(LINEN_PARAMS, X), rtol=1e-5)
+    # Inside `jit` and `scan`, the same.
     xs_loop = lambda p, xs: jax.lax.scan(lambda c, x: (c, LINEN.apply(p, x)), 0.0, xs)[1]  # noqa: E731
     _, inters = stx.pull(jax.jit(xs_loop), at=sel)(LINEN_PARAMS, XS)
     _, by_hand = stx.pull(
@@ -301,6 +308,31 @@ class Stacked(eqx.Module):
             return eqx.combine(block_arrays, static)(h), None
 
         return self.head(jax.lax.scan(layer, x, arrays)[0])
+
+
+def test_a_scope_in_the_program_under_a_transform_inside_says_where_to_put_it():
+    # A scope that is no Flax module's is found in the program, where a transformation applied
+    # inside the function has already been applied: its values there are batched along
+    # whichever axis the batching rules chose, or stand beside their tangents.
+    def f(x):
+        with jax.named_scope("block"):
+            h = jnp.sin(x) @ jnp.ones((4, 3))
+        return jnp.sum(h**2)
+
+    with pytest.raises(stx.SelectionError, match=r"under `vmap`.*jax.vmap\(stx.pull"):
+        stx.pull(jax.vmap(f), at=stx.scopes("block"))(XS)
+    with pytest.raises(stx.SelectionError, match="under `jvp`"):
+        stx.pull(jax.grad(f), at=stx.scopes("block"))(X)
+    with pytest.raises(stx.SelectionError, match="under `vmap`"):
+        stx.pull(jax.vmap(f), at=stx.primitives("sin"))(XS)
+    # Outside, as a mark written there.
+    by_hand = lambda x: jnp.sum((stx.save_inter(jnp.sin(x) @ jnp.ones((4, 3)), name="block")) ** 2)  # noqa: E731
+    got = jax.vmap(stx.pull(f, at=stx.scopes("block")))(XS)
+    assert_tree_allclose(got, jax.vmap(stx.pull(by_hand))(XS), rtol=1e-6)
+    grads = jax.grad(lambda x: stx.pull(f, at=stx.scopes("block"))(x), has_aux=True)(X)
+    assert_tree_allclose(
+        grads, jax.grad(lambda x: stx.pull(by_hand)(x), has_aux=True)(X), rtol=1e-6
+    )
 
 
 def test_scanned_blocks_come_back_stacked():
