@@ -485,28 +485,20 @@ def _outside_libraries() -> str:
 
 
 def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
+    from ._pull import flat_function  # (`_pull` calls this module)
+
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
     dynamic = [eqx.is_array(x) for x in leaves]
-    out_info = []
-
-    def flat(*arrays):
-        it = iter(arrays)
-        full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
-        tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out = call(tree, *args, **kwargs)
-        out_leaves, out_def = jax.tree_util.tree_flatten(out)
-        is_array = [eqx.is_array(x) for x in out_leaves]
-        out_info.append((out_def, out_leaves, is_array))
-        return [x for x, a in zip(out_leaves, is_array, strict=True) if a]
-
+    out_info: list = []
+    flat = flat_function(call, leaves, treedef, dynamic, out_info)
     arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
     with linen_marked(chosen) as after_marking:
         closed = _compat.trace(flat, [jax.typeof(x) for x in arrays], name="select")
     _check_found((closed.jaxpr if _compat.wraps_jaxpr(closed) else closed).eqns, chosen)
     chosen = after_marking()
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
-    out_def, out_leaves, is_array = out_info[0]
-    full = [next(outs) if a else x for x, a in zip(out_leaves, is_array, strict=True)]
+    out_def, static = out_info[0]
+    full = [next(outs) if s is None else s[0] for s in static]
     return jax.tree_util.tree_unflatten(out_def, full)
 
 
