@@ -167,7 +167,7 @@ def main():
             _, hand, _, _ = make()
             jax.make_jaxpr(stx.pull(hand))(*args)
 
-        report(f"trace    {label}", "<= 1.2", *interleaved_ratio(selected, by_hand, repeats=21))
+        report(f"trace    {label}", "<= 1.2", *interleaved_ratio(selected, by_hand, repeats=41))
 
     def selected_eqx():
         jax.make_jaxpr(stx.pull(lambda m, x: jax.vmap(m)(x), at=stx.modules("layers[*]")))(model, x)

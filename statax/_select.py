@@ -612,9 +612,9 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
         entries.sort(key=lambda e: -e[0].count("/"))
     inside = {}
     for i, eqn in enumerate(eqns):
-        subs = _compat.jaxprs_in_params(eqn.params)
-        if not subs:
+        if not _holds_jaxprs(eqn.params):
             continue
+        subs = list(_compat.jaxprs_in_params(eqn.params))
         going_on = tuple(s for s, out in zip(chosen, outside, strict=True) if i in out)
         inner_stack = _stack_of(stack, eqn)
         if going_on and any(_matches_in(sub, inner_stack, going_on) for sub in subs):
@@ -626,6 +626,20 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
                 )
             inside[i] = (inner_stack, going_on)
     return _Plan(after, inside)
+
+
+_JAXPR_TYPES = (jex.Jaxpr, jex.ClosedJaxpr)
+
+
+def _holds_jaxprs(params) -> bool:
+    """Whether an equation's params hold a jaxpr (alone or in a tuple): `jaxprs_in_params`'s
+    test, without its generator."""
+    for value in params.values():
+        if isinstance(value, _JAXPR_TYPES) or (
+            type(value) is tuple and any(isinstance(v, _JAXPR_TYPES) for v in value)
+        ):
+            return True
+    return False
 
 
 def _regions(selection, stack: tuple, eqns: Sequence) -> list:
@@ -705,10 +719,23 @@ def _same_file(file_name: str, file: str) -> bool:
 
 
 def _location(eqn) -> str:
-    """`"file:line"` of the user's code that made `eqn`."""
-    summary = source_info_api.summarize(eqn.source_info)
-    match = re.match(r"(.*?):(\d+)", summary)
-    return "<unknown>" if match is None else f"{match[1]}:{match[2]}"
+    """`"file:line"` of the user's code that made `eqn` (kept per traceback's frames: a program
+    traced again makes its equations at the same places)."""
+    traceback = eqn.source_info.traceback
+    codes, lastis = ([], []) if traceback is None else traceback.raw_frames()
+    # (Keyed by the code objects' ids, which the entry keeps alive: a code object's own hash
+    # reads its contents.)
+    key = (*map(id, codes), *lastis)
+    hit = _LOCATIONS.get(key)
+    if hit is None:
+        match = re.match(r"(.*?):(\d+)", source_info_api.summarize(eqn.source_info))
+        hit = _LOCATIONS[key] = ("<unknown>" if match is None else f"{match[1]}:{match[2]}", codes)
+        if len(_LOCATIONS) > 4096:
+            _LOCATIONS.clear()
+    return hit[0]
+
+
+_LOCATIONS: dict = {}
 
 
 def _refuse_transformed(selection, eqn, stack: tuple) -> None:
@@ -805,7 +832,9 @@ def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, d
     return top, rewritten
 
 
+@functools.lru_cache(maxsize=4096)
 def _meta_of(name: str, n: int, location: str, reduce) -> StateMeta:
+    """The meta of a selected place's mark (made once: metas are immutable)."""
     treedef = _LEAF if n == 1 else jax.tree_util.tree_structure(tuple(range(n)))
     return StateMeta(name, treedef, (ARRAY,) * n, location, reduce=reduce)
 
