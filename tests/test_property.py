@@ -250,11 +250,17 @@ def _round_trippable(node):
 @example(("while", ("scan", LEAF, 2), 1))
 @example(("scan", ("checkpoint", ("vmap", LEAF)), 3))
 def test_plant_round_trip(program):
-    """Planting every value that pull returns gives back the function's own output, exactly."""
+    """Planting every value that pull returns gives back the function's own output: exactly,
+    eagerly; under `jit`, to the last bit on CPU, and within a rounding on GPU, where XLA fuses
+    the planted program (its values come in) and the function's own differently."""
     f = build(program)
     try:
         out, inters = stx.pull(f)(X)
     except stx.BranchMismatchError:
         return
     np.testing.assert_array_equal(stx.plant(f)(inters, X), f(X))
-    np.testing.assert_array_equal(jax.jit(stx.plant(f))(inters, X), jax.jit(f)(X))
+    jitted, own = jax.jit(stx.plant(f))(inters, X), jax.jit(f)(X)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(jitted, own)
+    else:
+        np.testing.assert_allclose(jitted, own, rtol=1e-6, atol=1e-7)
