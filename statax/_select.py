@@ -160,7 +160,14 @@ def scopes(*patterns: str, reduce: str | None = None) -> Selection:
 
 def primitives(*names: str, reduce: str | None = None) -> Selection:
     """Select the outputs of every equation of these primitives (`"dot_general"`,
-    `"conv_general_dilated"`), keyed by the primitive's name."""
+    `"conv_general_dilated"`), keyed by the primitive's name.
+
+    Examples:
+        >>> import jax.numpy as jnp, statax as stx
+        >>> f = lambda w, x: jnp.tanh(x @ w)
+        >>> stx.pull(f, at=stx.primitives("dot_general"))(2 * jnp.eye(2), jnp.ones(2))[1]
+        {'dot_general_0': Array([2., 2.], dtype=float32)}
+    """
     return Primitives(frozenset(_strings(names, "stx.primitives")), reduce)
 
 
@@ -196,6 +203,13 @@ def modules(
 
     Keys are the paths (`"blocks[0].attn_0"`): one occurrence per call of the submodule, stacked
     where it runs in a `scan`, batched where it runs in a `vmap`.
+
+    Examples:
+        >>> import equinox as eqx, jax, statax as stx
+        >>> mlp = eqx.nn.MLP(2, 1, width_size=3, depth=1, key=jax.random.PRNGKey(0))
+        >>> _, inters = stx.pull(mlp, at=stx.modules("layers[*]"))(jax.numpy.ones(2))
+        >>> {key: value.shape for key, value in inters.items()}
+        {'layers[0]_0': (3,), 'layers[1]_0': (1,)}
     """
     for path in paths:
         if not (isinstance(path, str) or callable(path)):
