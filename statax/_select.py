@@ -44,11 +44,11 @@ import jax
 from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 
-from . import _compat
+from . import _compat, _staging
 from ._errors import SelectionError
 from ._interpreter import map_jaxprs
 from ._meta import ARRAY, StateMeta
-from ._primitive import COLLECTING, mark_as, save_inter, save_inter_p
+from ._primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter, save_inter_p
 
 __all__ = [
     "Selection",
@@ -274,7 +274,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
         for obj, name, selection in targets.values():
             cls = type(obj)
             if getattr(cls, "_statax_marks", None) is None:
-                object.__setattr__(obj, "__class__", _marking(cls, name, selection))
+                marking = _marking(cls, name, selection.inputs, selection.reduce)
+                object.__setattr__(obj, "__class__", marking)
                 swapped.append((obj, cls))
         yield [name for _, name, _ in targets.values()]
     finally:
@@ -411,10 +412,11 @@ def _path_of(root, target) -> str:
 
 
 @functools.cache
-def _marking(cls: type, name: str, selection: Modules) -> type:
-    """`cls` with a `__call__` that marks its output (and inputs) as `name`."""
+def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
+    """`cls` with a `__call__` that marks its output (and, with `inputs`, its inputs) as
+    `name`. (Made once per class and name, and keyed by nothing else: a selection's `of=`
+    model is not kept alive by it.)"""
     original = cls.__call__
-    inputs, reduce = selection.inputs, selection.reduce
 
     def __call__(self, *args, **kwargs):  # noqa: N807
         called = _CALLED.get()
@@ -563,10 +565,10 @@ def _evaluate(jaxpr, consts, args, stack: tuple, chosen: tuple) -> list:
             outs = _compat.bind(eqn.primitive, [read(v) for v in eqn.invars], params)
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
         for name, variables, location, reduce in plan.after.get(i, ()):
-            values = [read(v) for v in (eqn.outvars if variables is None else variables)]
+            variables = eqn.outvars if variables is None else variables
+            values = [read(v) for v in variables]
             one = len(values) == 1
             marked = mark_as(values[0] if one else tuple(values), name, location, reduce)
-            variables = eqn.outvars if variables is None else variables
             env.update(zip(variables, [marked] if one else marked, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
@@ -693,18 +695,13 @@ def _runs(regions: list) -> Iterator[tuple[int, int]]:
 
 def _matches_in(jaxpr, stack: tuple, chosen: tuple) -> bool:
     """Whether any equation of `jaxpr` (at any depth) is selected."""
-    jaxpr = jaxpr.jaxpr if _compat.wraps_jaxpr(jaxpr) else jaxpr
-    for eqn in jaxpr.eqns:
-        for selection in chosen:
-            if isinstance(selection, Primitives):
-                if eqn.primitive.name in selection.names:
-                    return True
-            elif _region(selection, stack, eqn) is not None:
-                return True
-        inner = _stack_of(stack, eqn)
-        if any(_matches_in(sub, inner, chosen) for sub in _compat.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+    return any(
+        eqn.primitive.name in selection.names
+        if isinstance(selection, Primitives)
+        else _region(selection, outer, eqn) is not None
+        for outer, eqn in _walk(jaxpr, stack)
+        for selection in chosen
+    )
 
 
 def _is_transform(element) -> bool:
@@ -787,9 +784,7 @@ def collected(closed, marks: list, chosen: tuple) -> tuple[Any, list]:
     top, rewritten = _collect(jaxpr.eqns, jaxpr.outvars[:num_out], chosen)
     if not top and not rewritten:
         return closed, marks
-    leaves = iter(jaxpr.outvars[num_out:])
-    given = [(p, m, [next(leaves) for _ in range(m.num_arrays)]) for p, m in marks]
-    merged = sorted([*given, *top], key=lambda mark: mark[0])  # (stable: given first)
+    merged = _merged(marks, jaxpr.outvars[num_out:], top)
     eqns = [rewritten.get(i, eqn) for i, eqn in enumerate(jaxpr.eqns)]
     new = jaxpr.replace(
         eqns=eqns,
@@ -805,8 +800,6 @@ def collected_staged(trace, start: int, outs: Sequence, collector, chosen: tuple
     """`collected` for a function `pull` traced straight into `trace` from `start` on
     (`_staging.staging_trace`): the selected values at its level go to `collector`, the
     equations that hold others are restaged with their marks."""
-    from . import _staging
-
     eqns = [_staging.as_equation(e) for e in _staging.staged_as_held(trace, start)]
     returned = [v for v in (_staging.var_of(trace, x) for x in outs) if v is not None]
     top, rewritten = _collect(eqns, returned, chosen)
@@ -816,12 +809,18 @@ def collected_staged(trace, start: int, outs: Sequence, collector, chosen: tuple
         _staging.restage(trace, start, new, staged)
     if not top:
         return
-    leaves = iter(collector.leaves)
-    given = [(p, m, [next(leaves) for _ in range(m.num_arrays)]) for p, m in collector.marks]
     found = [(start + p, m, [_staging.tracer_of(trace, v) for v in vs]) for p, m, vs in top]
-    merged = sorted([*given, *found], key=lambda mark: mark[0])
+    merged = _merged(collector.marks, collector.leaves, found)
     collector.marks[:] = [(p, m) for p, m, _ in merged]
     collector.leaves[:] = [x for _, _, xs in merged for x in xs]
+
+
+def _merged(marks: Sequence, leaves: Sequence, found: list) -> list:
+    """`(position, meta, leaves)` of a `Collector`'s `marks` (their `leaves` flat) and of the
+    marks `found` at the same level, in program order (the collector's first at a position)."""
+    it = iter(leaves)
+    given = [(p, m, [next(it) for _ in range(m.num_arrays)]) for p, m in marks]
+    return sorted([*given, *found], key=lambda mark: mark[0])
 
 
 def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, dict]:
@@ -837,7 +836,9 @@ def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, d
             meta = _meta_of(name, len(variables), location, reduce)
             if selection is None or selection(meta):
                 top.append((i + 1, meta, list(variables)))
-    if any(_dropped(v) for _, _, vs in top for v in vs):  # an output nothing reads: no value
+    if any(
+        _staging.dropped(v) for _, _, vs in top for v in vs
+    ):  # an output nothing reads: no value
         raise SelectionError(
             f"{_describe(chosen)} selects an output of a primitive that the program drops; "
             "select the values around it."
@@ -868,9 +869,6 @@ def _rebuilt(sub, stack: tuple, chosen: tuple):
     return _inserted(sub, stack, chosen)  # an open jaxpr (or one with its consts, JAX 0.11+)
 
 
-_SAVE_EFFECTS = frozenset({_compat.SAVE_EFFECT})
-
-
 def _inserted(jaxpr, stack: tuple, chosen: tuple):
     """`jaxpr` (open) with a collecting mark after each selected place, read downstream."""
     plan = _plan(jaxpr.eqns, jaxpr.outvars, stack, chosen)
@@ -894,7 +892,7 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
             changes["params"], changes["effects"] = marked.params, marked.effects
         after = plan.after.get(i, ())
         if any(variables is None for _, variables, _, _ in after):  # a primitive's outputs
-            outvars = [jex.Var(v.aval) if _dropped(v) else v for v in eqn.outvars]
+            outvars = [jex.Var(v.aval) if _staging.dropped(v) else v for v in eqn.outvars]
             changes["outvars"] = outvars
         eqns.append(eqn.replace(**changes) if changes else eqn)
         for name, variables, location, reduce in after:
@@ -909,14 +907,6 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
             renamed.update(zip(variables, outs, strict=True))
     effects = set(jaxpr.effects).union(*(e.effects for e in eqns))
     return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars], effects=effects)
-
-
-def _dropped(v) -> bool:
-    """Whether `v` is an output nothing reads (`core.DropVar`, JAX 0.8 -- 0.12)."""
-    return type(v).__name__ == "DropVar"
-
-
-_LEAF = jax.tree_util.tree_structure(0)
 
 
 # ---- nothing matched ---------------------------------------------------------------------------

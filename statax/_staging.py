@@ -30,6 +30,7 @@ __all__ = [
     "STAGED_TRACER",
     "as_equation",
     "defines_nothing",
+    "dropped",
     "observe",
     "observe_staged",
     "register_readers",
@@ -233,7 +234,12 @@ else:  # JAX 0.8 -- 0.9: as `DynamicJaxprTrace.make_eqn` makes it
 def defines_nothing(eqn: jex.JaxprEqn) -> bool:
     """Whether `eqn` defines nothing: it has no outputs (as `observe` stages it), or only
     dropped ones (`_`)."""
-    return all(type(v) is core.DropVar for v in eqn.outvars)
+    return all(map(dropped, eqn.outvars))
+
+
+def dropped(v: Any) -> bool:
+    """Whether `v`, an equation's output, is one nothing reads (`_`, `core.DropVar`)."""
+    return type(v) is core.DropVar
 
 
 def trace_length(trace: Any) -> int:
