@@ -127,15 +127,15 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
     root, tree, call = _split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
-    at = pulled.at
+    at, in_program = pulled.at, ()
     if at:  # marks by object where the objects are live (in NNX's merge), in the program around
         call = _select.calling(call, at, objects=True, fn=fn)
-    # Places in the program: put into what `pull` traces; where something is planted, or
-    # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
-    planted = values is not None or pulled.planting is not None or _compat.PLANTING.value
-    program = tuple(s for s in at if not isinstance(s, _select.Modules))
-    in_program = program if program and not planted and not pulled.ran else ()
-    at = tuple(s for s in at if s not in in_program)
+        # Places in the program: put into what `pull` traces; where something is planted, or
+        # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
+        planted = values is not None or pulled.planting is not None or _compat.PLANTING.value
+        if not planted and not pulled.ran:
+            in_program = tuple(s for s in at if not isinstance(s, _select.Modules))
+            at = tuple(s for s in at if s not in in_program)
     eager = (
         _fastpaths.on
         and not at
