@@ -323,21 +323,22 @@ def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
     start = _staging.trace_length(trace)
-    with (
-        selecting(only),
-        _compat.PULLING(True),
-        _compat.RAN_MASKS(ran),
-        collecting(collector),
-        _select.linen_marked(in_program) as chosen,
-    ):
-        collector.trace = trace
-        out = call(tree, *args, **kwargs)
-        collector.trace = None  # (a mark made once the function has returned is not its own)
-    out_leaves, out_def = jax.tree_util.tree_flatten(out)
-    if in_program:
-        with selecting(only):
-            _select.collected_staged(trace, start, out_leaves, collector, chosen())
-    new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
+    with _select.calls_checked(lambda: metas, only):
+        with (
+            selecting(only),
+            _compat.PULLING(True),
+            _compat.RAN_MASKS(ran),
+            collecting(collector),
+            _select.linen_marked(in_program) as chosen,
+        ):
+            collector.trace = trace
+            out = call(tree, *args, **kwargs)
+            collector.trace = None  # (a mark made once the function has returned is not its own)
+        out_leaves, out_def = jax.tree_util.tree_flatten(out)
+        if in_program:
+            with selecting(only):
+                _select.collected_staged(trace, start, out_leaves, collector, chosen())
+        new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if only is not None:
         everything = lambda: _trace(  # noqa: E731
             None, call, leaves, treedef, *_traced_avals(leaves, treedef), in_program
@@ -562,7 +563,8 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _
         return [*outs, *collector.leaves]
 
     source = root.__call__ if isinstance(root, type) else root
-    with selecting(only):  # in force where marks are bound (rebatched loops), and for the rewrite
+    # (`selecting`: in force where marks are bound, as in rebatched loops, and for the rewrite)
+    with selecting(only), _select.calls_checked(lambda: metas, only):
         with _compat.PULLING(True), collecting(collector), _select.linen_marked(in_program) as sel:
             closed = _compat.trace(run, avals, "pull", source)
         n = len(closed.jaxpr.outvars) - len(collector.leaves)  # the function's own outputs

@@ -53,6 +53,7 @@ from ._primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter, s
 __all__ = [
     "Selection",
     "calling",
+    "calls_checked",
     "closest",
     "collected",
     "collected_staged",
@@ -283,8 +284,40 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
             object.__setattr__(obj, "__class__", cls)
 
 
-# The names of the selected objects called while a function is traced (`_with_modules`).
+# The names of the selected objects called while a function is traced (`_with_modules`), and
+# those of the ones it did not call, for `pull` to check against the marks it found
+# (`calls_checked`).
 _CALLED: contextvars.ContextVar[set | None] = contextvars.ContextVar("statax_called", default=None)
+_UNCALLED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "statax_uncalled", default=None
+)
+
+
+@contextlib.contextmanager
+def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
+    """Around a `pull`'s trace: once it is done, raise where a selected submodule was not
+    called and has no mark among `metas()` either. (A `jit` whose cached trace already holds
+    the submodule's marks does not call it again, and is no error; one that closes over the
+    model and traced it before the selection is.) With `only=`, whose selection no mark of a
+    name is known to pass, nothing is checked."""
+    uncalled: list = []
+    token = _UNCALLED.set(uncalled)
+    try:
+        yield
+    finally:
+        _UNCALLED.reset(token)
+    if not uncalled or only is not None:
+        return
+    names = {m.name for m in metas()}
+    missing = [(name, chosen) for name, chosen in uncalled if name not in names]
+    if missing:
+        name, chosen = missing[0]
+        raise SelectionError(
+            f"{_describe(chosen)} selects {name!r}, which the function did not call while pull "
+            "traced it, and whose marks are not in what it traced. If it is called from code "
+            "that was traced before (a jax.jit of a function that closes over the model), pass "
+            "the model to that function as an argument, or select a submodule that runs."
+        )
 
 
 def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
@@ -298,14 +331,9 @@ def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
             out = call(tree, *args, **kwargs)
     finally:
         _CALLED.reset(token)
-    missing = [name for name in (*given, *found) if name not in called]
-    if missing:
-        raise SelectionError(
-            f"{_describe(chosen)} selects {missing[0]!r}, which the function did not call while "
-            "pull traced it. If it is called from code that was traced before (a jax.jit of a "
-            "function that closes over the model), pass the model to that function as an "
-            "argument, or select a submodule that runs."
-        )
+    uncalled = _UNCALLED.get()
+    if uncalled is not None:  # (always, inside a `pull`: see `calls_checked`)
+        uncalled.extend((name, chosen) for name in (*given, *found) if name not in called)
     return out
 
 
@@ -757,9 +785,11 @@ def _refuse_transformed(selection, eqn, stack: tuple) -> None:
         f"{selection} selects a value (at {_location(eqn)}) that the function computes under "
         f"{' of '.join(f'`{t}`' for t in transforms)}, applied inside it: there the value is "
         "already transformed (batched along an axis a mark would not put first, or beside its "
-        "tangent), so no mark at that place would see it. Apply the transformation outside "
-        "the pull (`jax.vmap(stx.pull(f, at=...))`, `jax.grad(stx.pull(f, at=...), "
-        "has_aux=True)`), or select the submodule with stx.modules, which marks it where it runs."
+        "tangent), so no mark at that place would see it. Where you apply the transformation, "
+        "apply it outside the pull (`jax.vmap(stx.pull(f, at=...))`, "
+        "`jax.grad(stx.pull(f, at=...), has_aux=True)`); where a library applies it (a solver "
+        "differentiating your function), mark the value with stx.save_inter. Or select the "
+        "submodule with stx.modules, which marks it where it runs."
     )
 
 

@@ -240,6 +240,30 @@ def test_eqx_modules_in_every_order(order):
     assert type(EQX.blocks[0]) is EqxBlock  # the class is put back
 
 
+def test_a_submodule_a_cached_jit_does_not_call_again():
+    # A jit whose cached trace holds the marks (the selection's class is in its key) does not
+    # call the submodule again: the marks are there, and come back.
+    f = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    want = stx.pull(f)(EQX_MARKED, X)
+    for _ in range(2):  # a new pull each time: the second finds filter_jit's trace cached
+        assert_tree_allclose(stx.pull(f, at=stx.modules("blocks[*]"))(EQX, X), want, rtol=1e-6)
+    # A jit that closes over the model and traced it before: pull traces in a context of its
+    # own, which is part of jit's key, so the jit traces again, and the marks are made.
+    closed_over = jax.jit(lambda x: jax.vmap(EQX)(x))
+    closed_over(X)
+    got = stx.pull(closed_over, at=stx.modules("blocks[*]", of=EQX))(X)
+    assert_tree_allclose(got, stx.pull(jax.jit(lambda x: jax.vmap(EQX_MARKED)(x)))(X), rtol=1e-6)
+
+
+def test_a_selected_submodule_that_never_runs_is_an_error():
+    def f(m, x):
+        return m.head(x[0])  # the blocks never run
+
+    with pytest.raises(stx.SelectionError, match="did not call while pull traced it"):
+        stx.pull(f, at=stx.modules("blocks[1]"))(EQX, X)
+    assert list(stx.pull(f, at=stx.modules("head"))(EQX, X)[1]) == ["head_0"]
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
 def test_nnx_modules(jit):
     model, marked = nnx_models()
@@ -333,6 +357,22 @@ def test_a_scope_in_the_program_under_a_transform_inside_says_where_to_put_it():
     assert_tree_allclose(
         grads, jax.grad(lambda x: stx.pull(by_hand)(x), has_aux=True)(X), rtol=1e-6
     )
+
+
+def test_a_scope_a_library_differentiates_is_an_error_that_says_to_mark_it():
+    # optimistix's Newton differentiates the residual to solve: its scope is under `jvp` there.
+    import optimistix as optx
+
+    def residual(y, a):
+        with jax.named_scope("residual"):
+            return jnp.tanh(y) - a
+
+    def newton(a):
+        solver = optx.Newton(rtol=1e-6, atol=1e-6)
+        return optx.root_find(residual, solver, jnp.zeros_like(a), args=a).value
+
+    with pytest.raises(stx.SelectionError, match="under `jvp`.*a library applies it"):
+        stx.pull(newton, at=stx.scopes("residual"))(X[0])
 
 
 def test_scanned_blocks_come_back_stacked():
