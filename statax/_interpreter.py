@@ -37,6 +37,8 @@ from jax.extend import core as jex
 
 from . import _compat, _equinox, _python_rules, _reduce, _staging
 from ._errors import HandlerError, UnhandledPrimitiveError
+from ._evaluator import keep
+from ._evaluator import rewrite as rewrite_jaxpr
 from ._meta import StateMeta
 from ._primitive import COLLECTING, IDLE, INERT, INPUT, collected, save_inter_p
 
@@ -587,52 +589,49 @@ def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> Rewritten:
 
 
 def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
-    forwarded: dict[jex.Var, jex.Atom] = {}  # outputs of removed `save_inter`s -> their values
-
-    def read(x: jex.Atom) -> jex.Atom:
-        return forwarded.get(x, x) if isinstance(x, jex.Var) else x
-
-    eqns: list[jex.JaxprEqn] = []
     extra_out: list[jex.Atom] = []
     outs: list[StateMeta] = []
     extra_in: list[jex.Var] = []
     ins: list[StateMeta] = []
-    for eqn, inner in zip(jaxpr.eqns, _marks(jaxpr)[1], strict=True):
-        if forwarded and any(isinstance(x, jex.Var) and x in forwarded for x in eqn.invars):
-            eqn = eqn.replace(invars=[read(x) for x in eqn.invars])
-        if eqn.primitive is save_inter_p:
-            meta, values = eqn.params["meta"], list(eqn.invars)
+    marks = iter(_marks(jaxpr)[1])  # the marks each equation holds, in order
+
+    def step(eqn, invars, emit):
+        inner = next(marks)
+        if eqn.primitive is save_inter_p:  # removed: its outputs are its operands
+            meta = eqn.params["meta"]
             if eqn.params["status"] == INPUT:
-                values = [jex.Var(x.aval) for x in eqn.outvars]
-                extra_in.extend(values)
+                invars = [jex.Var(x.aval) for x in eqn.outvars]
+                extra_in.extend(invars)
                 ins.append(meta)
             elif collected(eqn.params) and _selected(meta):
-                extra_out.extend(values)
+                extra_out.extend(invars)
                 outs.append(meta)
-            if eqn.outvars:  # (an idle mark has none)
-                forwarded.update(zip(eqn.outvars, values, strict=True))
-            continue
+            return invars if eqn.outvars else []  # (an idle mark has none)
         if not inner:
-            eqns.append(eqn)
-            continue
+            return keep(eqn, invars, emit)
         handler, _ = _rules_for(eqn)
         if handler is None:
             in_rules = not any(_compat.jaxprs_in_params(eqn.params))
             raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)
+        if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
+            eqn = eqn.replace(invars=invars)  # (reading the operands of removed marks)
         with _compat.user_context(eqn):
             rewrite = _check_handler_result(eqn, handler(eqn))
         new_eqn = rewrite.eqn
-        eqns.append(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
+        emit(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
         extra_out.extend(new_eqn.outvars[len(eqn.outvars) :])
         outs.extend(rewrite.outs)
         extra_in.extend(new_eqn.invars[len(eqn.invars) :])
         ins.extend(rewrite.ins)
+        return new_eqn.outvars[: len(eqn.outvars)]
+
+    eqns, outvars = rewrite_jaxpr(jaxpr, step)
     names = [f"statax:{m.name}" for m in outs for _ in range(m.num_arrays)]
     in_names = [f"statax:{m.name}" for m in ins for _ in range(m.num_arrays)]
     new = jaxpr.replace(
         eqns=eqns,
         invars=[*jaxpr.invars, *extra_in],
-        outvars=[read(x) for x in jaxpr.outvars] + extra_out,
+        outvars=[*outvars, *extra_out],
         effects=_without_save_effect(jaxpr.effects),
         debug_info=_compat.extend_debug_info(jaxpr.debug_info, names, arg_names=in_names),
     )

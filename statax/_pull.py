@@ -375,7 +375,12 @@ def _check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
     """Raise where `only=` selects nothing, or names a mark the program does not have
     (`everything()`: the program's entry with every mark collected, for the message)."""
     names = {m.name for m in metas}
-    missing = sorted(only.names - names) if isinstance(only, _Names) else ([] if names else [only])
+    if isinstance(only, _Names):
+        missing = sorted(only.names - names)
+    elif isinstance(only, _Pattern):  # a pattern that matches nothing: a typo, as a name is
+        missing = [] if names else [only]
+    else:  # a predicate is a filter: one that lets nothing through selects nothing, quietly
+        missing = []
     if not missing:
         return
     there = sorted({m.name for m in everything().metas})

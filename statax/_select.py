@@ -46,6 +46,7 @@ from jax.extend import source_info_util as source_info_api
 
 from . import _compat, _staging
 from ._errors import SelectionError
+from ._evaluator import bind_equation, evaluate, keep, rewrite
 from ._interpreter import map_jaxprs
 from ._meta import ARRAY, StateMeta
 from ._primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter, save_inter_p
@@ -573,32 +574,24 @@ class _Plan:
 def _evaluate(jaxpr, consts, args, stack: tuple, chosen: tuple) -> list:
     """Evaluate `jaxpr` in the current trace, with the selected values marked."""
     plan = _plan(jaxpr.eqns, jaxpr.outvars, stack, chosen)
-    env: dict = {}
+    reached = {id(jaxpr.eqns[i]): inside for i, inside in plan.inside.items()}
 
-    def read(v):
-        return v.val if isinstance(v, jex.Literal) else env[v]
+    def step(eqn, invals):
+        inside = reached.get(id(eqn))
+        if inside is None:
+            return bind_equation(eqn, invals)
+        again = functools.partial(_again, stack=inside[0], chosen=inside[1])
+        return bind_equation(eqn, invals, map_jaxprs(eqn.params, again))
 
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    base = source_info_api.current_name_stack()
-    for i, eqn in enumerate(jaxpr.eqns):
-        params = eqn.params
-        inside = plan.inside.get(i)
-        if inside is not None:
-            params = map_jaxprs(
-                params, functools.partial(_again, stack=inside[0], chosen=inside[1])
-            )
-        source = eqn.source_info
-        with source_info_api.user_context(source.traceback, name_stack=base + source.name_stack):
-            outs = _compat.bind(eqn.primitive, [read(v) for v in eqn.invars], params)
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    def after(i, eqn, env):
         for name, variables, location, reduce in plan.after.get(i, ()):
             variables = eqn.outvars if variables is None else variables
-            values = [read(v) for v in variables]
+            values = [env[v] if isinstance(v, jex.Var) else v.val for v in variables]
             one = len(values) == 1
             marked = mark_as(values[0] if one else tuple(values), name, location, reduce)
             env.update(zip(variables, [marked] if one else marked, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+
+    return evaluate(jaxpr, consts, args, step, after)
 
 
 def _again(sub, *, stack: tuple, chosen: tuple):
@@ -905,38 +898,39 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
     if not plan.after and not plan.inside:
         return jaxpr
     selection = _compat.SELECTION.value  # `pull(fn, only=...)`: the marks it collects
-    renamed: dict = {}
+    reached = {id(jaxpr.eqns[i]): inside for i, inside in plan.inside.items()}
+    outputs_marked = {
+        id(jaxpr.eqns[i])
+        for i, after in plan.after.items()
+        if any(variables is None for _, variables, _, _ in after)  # a primitive's outputs
+    }
 
-    def read(v):
-        return renamed.get(v, v) if isinstance(v, jex.Var) else v
-
-    eqns = []
-    for i, eqn in enumerate(jaxpr.eqns):
-        changes: dict[str, Any] = {}
-        invars = [read(v) for v in eqn.invars]
-        if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
-            changes["invars"] = invars
-        inside = plan.inside.get(i)
+    def step(eqn, invars, emit):
+        new = eqn
+        inside = reached.get(id(eqn))
         if inside is not None:
-            marked = _with_marks_inside(eqn, inside)
-            changes["params"], changes["effects"] = marked.params, marked.effects
-        after = plan.after.get(i, ())
-        if any(variables is None for _, variables, _, _ in after):  # a primitive's outputs
-            outvars = [jex.Var(v.aval) if _staging.dropped(v) else v for v in eqn.outvars]
-            changes["outvars"] = outvars
-        eqns.append(eqn.replace(**changes) if changes else eqn)
-        for name, variables, location, reduce in after:
-            variables = eqns[-1].outvars if variables is None else variables
-            values = [read(v) for v in variables]
+            new = _with_marks_inside(eqn, inside)
+        if id(eqn) in outputs_marked:  # (given variables where it drops them)
+            new = new.replace(
+                outvars=[jex.Var(v.aval) if _staging.dropped(v) else v for v in eqn.outvars]
+            )
+        return keep(new, invars, emit)
+
+    def after(i, eqn, env, emit):
+        for name, variables, location, reduce in plan.after.get(i, ()):
+            variables = eqn.outvars if variables is None else variables
+            values = [env[v] if isinstance(v, jex.Var) else v for v in variables]
             meta = _meta_of(name, len(values), location, reduce)
             if selection is not None and not selection(meta):
                 continue  # not collected: no mark at all
             outs = [jex.Var(v.aval) for v in values]
             params = {"meta": meta, "status": COLLECTING}
-            eqns.append(_compat.new_equation(values, outs, save_inter_p, params, _SAVE_EFFECTS))
-            renamed.update(zip(variables, outs, strict=True))
+            emit(_compat.new_equation(values, outs, save_inter_p, params, _SAVE_EFFECTS))
+            env.update(zip(variables, outs, strict=True))
+
+    eqns, outvars = rewrite(jaxpr, step, after)
     effects = set(jaxpr.effects).union(*(e.effects for e in eqns))
-    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars], effects=effects)
+    return jaxpr.replace(eqns=eqns, outvars=outvars, effects=effects)
 
 
 # ---- nothing matched ---------------------------------------------------------------------------

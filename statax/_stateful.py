@@ -38,6 +38,7 @@ from jax.extend import core as jex
 
 from . import _compat, _pull, _staging
 from ._errors import StateError, StatefulWarning
+from ._evaluator import bind_equation, evaluate
 from ._interpreter import (
     handler_for,
     inert,
@@ -443,49 +444,37 @@ def _ran(eqn, runs: Callable):
 
 def _run(jaxpr, consts, args, env: dict, log: _Log) -> list:
     """Evaluate `jaxpr` in the current trace, threading `env` (name -> `_Slot`) through it."""
-    values: dict = {}
 
-    def read(x):
-        return x.val if isinstance(x, jex.Literal) else values[x]
-
-    values.update(zip(jaxpr.constvars, consts, strict=True))
-    values.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(x) for x in eqn.invars]
+    def step(eqn, invals):
         prim = eqn.primitive
         if prim is get_state_p:
-            outs = _get(eqn.params["meta"], eqn.params["avals"], invals, env, log)
-        elif prim is set_state_p:
+            return _get(eqn.params["meta"], eqn.params["avals"], invals, env, log)
+        if prim is set_state_p:
             meta = eqn.params["meta"]
             env[meta.name] = _Slot(meta, tuple(invals))
             log.set(meta.name)
-            outs = invals
-        elif prim.name in _compat.VARY_PRIMITIVES:  # its operand may vary where it did not
-            outs = _compat.rebind_vary(eqn, invals)
-        else:
-            rule, runs = state_rules_for(eqn)
-            if not _holds_state(eqn):
-                outs = _compat.bind(prim, invals, eqn.params)
-                outs = outs if prim.multiple_results else [outs]
-            elif rule is not None:
-                with _compat.user_context(eqn):
-                    outs = rule(eqn, invals, Threading(env, log))
-            elif runs is not None:  # what it runs, threaded as a call
-                outs = _run(*_closed(_ran(eqn, runs)), invals, env, log)
-            elif (handler := handler_for(eqn)) is not None:
-                with _compat.user_context(eqn):
-                    outs = _on_handler_contract(eqn, invals, Threading(env, log), handler)
-            else:
-                inner = [_names(sub) for sub in _compat.jaxprs_in_params(eqn.params)]
-                used = sorted({n for i in inner for n in (*i.reads, *i.writes)})
-                raise StateError(
-                    f"stx.stateful cannot thread state through the primitive `{prim}`, which "
-                    f"reads or sets {used}: it has no handler (see 'Writing a handler' in the "
-                    "docs). Move the get_state/set_state out of it, or pass the value in and "
-                    "out of it by hand."
-                )
-        values.update(zip(eqn.outvars, outs, strict=True))
-    return [read(x) for x in jaxpr.outvars]
+            return invals
+        if prim.name in _compat.VARY_PRIMITIVES:  # its operand may vary where it did not
+            return _compat.rebind_vary(eqn, invals)
+        if not _holds_state(eqn):
+            return bind_equation(eqn, invals)
+        rule, runs = state_rules_for(eqn)
+        if rule is not None:
+            return rule(eqn, invals, Threading(env, log))
+        if runs is not None:  # what it runs, threaded as a call
+            return _run(*_closed(_ran(eqn, runs)), invals, env, log)
+        if (handler := handler_for(eqn)) is not None:
+            return _on_handler_contract(eqn, invals, Threading(env, log), handler)
+        inner = [_names(sub) for sub in _compat.jaxprs_in_params(eqn.params)]
+        used = sorted({n for i in inner for n in (*i.reads, *i.writes)})
+        raise StateError(
+            f"stx.stateful cannot thread state through the primitive `{prim}`, which "
+            f"reads or sets {used}: it has no handler (see 'Writing a handler' in the "
+            "docs). Move the get_state/set_state out of it, or pass the value in and "
+            "out of it by hand."
+        )
+
+    return evaluate(jaxpr, consts, args, step)
 
 
 def _get(meta: StateMeta, avals, defaults, env, log) -> list:
