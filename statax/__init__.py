@@ -10,7 +10,6 @@ from . import _display
 from . import extend as extend
 from . import handlers as handlers  # registers the built-in handlers
 from ._display import describe as describe
-from ._errors import BranchMismatchError as BranchMismatchError
 from ._errors import HandlerError as HandlerError
 from ._errors import KeyCollisionError as KeyCollisionError
 from ._errors import PlantError as PlantError
@@ -42,6 +41,7 @@ from ._stateful import stateful as stateful
 from ._stats import stats as stats
 from ._stats import tree_stats as tree_stats
 from ._track import Tracker as Tracker
+from .handlers.cond import BranchMismatchError as BranchMismatchError
 
 _display.register_notebook_display()  # in Jupyter or Colab, pull's dicts display as tables
 

@@ -8,21 +8,16 @@ equinox release costs one module: JAX's own internals are in `_compat`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex
-
-from . import _compat
 
 __all__ = [
     "equinox_noinline",
     "impl_of",
-    "is_bounded_step",
     "is_equinox_primitive",
-    "loop_running",
     "select_if_vmap",
 ]
 
@@ -84,43 +79,6 @@ def is_equinox_primitive(eqn: jex.JaxprEqn) -> bool:
 
         return isinstance(flatten, _primitive.Flatten)
     return eqn.primitive in _vprim_impls()
-
-
-def is_bounded_step(body: jex.ClosedJaxpr, init: Sequence[Any]) -> bool:
-    """Whether a `scan` with this body and initial carry is a level of an
-    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
-    over equinox's loop carry `(step, pred, prev_pred, *state)` (see
-    `loop_running`), whose `cond_fun` calls `unvmap_any`. Differentiated (`pull(grad(f))`),
-    the loop is JAX's forward pass of it, whose dead-code elimination may drop `prev_pred`:
-    `(step, pred)` is what the loop needs to know which steps ran, and what it checks."""
-    return _loop_carry(init, prev=False) and _calls(body.jaxpr, "unvmap_any")
-
-
-def _loop_carry(init: Sequence[Any], prev: bool = True) -> bool:
-    """Whether `init` starts with equinox's `(step, pred, prev_pred)` (`prev=False`: with
-    `(step, pred)`)."""
-    if len(init) < 2 + prev:
-        return False
-    step, *flags = init[: 2 + prev]  # values or their types: both have a shape and a dtype
-    flags_ok = all(a.shape == () and a.dtype == jnp.bool_ for a in flags)
-    return flags_ok and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
-
-
-def _calls(jaxpr: jex.Jaxpr, name: str) -> bool:
-    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
-    return any(eqn.primitive.name == name for eqn in _compat.equations(jaxpr))
-
-
-def loop_running(cond_jaxpr: jex.ClosedJaxpr, init: Sequence[Any]) -> int | None:
-    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
-    its carry of equinox's per-example "still running" flag; else `None`.
-
-    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
-    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
-    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
-    if _loop_carry(init) and _calls(cond_jaxpr.jaxpr, "unvmap_any"):
-        return 1
-    return None
 
 
 def select_if_vmap(pred: Any, new: Any, old: Any) -> Any:

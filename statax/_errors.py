@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ._meta import StateMeta, kinds_str
+from ._meta import StateMeta
 
 __all__ = [
-    "BranchMismatchError",
     "HandlerError",
     "KeyCollisionError",
     "PlantError",
@@ -81,22 +80,6 @@ class HandlerError(TypeError):
             "statax.extend.Rewrite(new_eqn, outs, ins): new_eqn's outputs are the original "
             "ones followed by the array leaves of each StateMeta in outs, and its inputs the "
             "original ones followed by those of each StateMeta in ins, in order."
-        )
-
-
-class BranchMismatchError(TypeError):
-    """Two branches of a `cond` save different kinds of value under one (name, occurrence)."""
-
-    def __init__(self, meta_a: StateMeta, avals_a, meta_b: StateMeta, avals_b):
-        def kind(meta, avals):
-            return f"{meta.treedef} of {kinds_str(avals)}"
-
-        super().__init__(
-            f"The branches of a cond/switch save different values as {meta_a.name!r}: "
-            f"{kind(meta_a, avals_a)} at {meta_a.location}, but {kind(meta_b, avals_b)} at "
-            f"{meta_b.location}. statax returns one value per name and occurrence from "
-            "whichever branch ran, so they must match. To fix: give the two save_inter calls "
-            "different names."
         )
 
 

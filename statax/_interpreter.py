@@ -107,9 +107,8 @@ Handler: TypeAlias = Callable[[jex.JaxprEqn], Rewrite]
 _HANDLERS: dict[jex.Primitive, Handler] = {}
 _FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
 # Handlers for families of primitives, recognised by their equations: (matches, handler, finder).
-_FAMILIES: list[
-    tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None, Callable | None]
-] = []
+# (matches, handler, finder, (thread_state, runs), flags)
+_FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None, tuple, Any]] = []
 # How `stateful` threads state through a primitive, where its handler module says (see
 # `register_handler`'s `thread_state`).
 _STATE_RULES: dict[jex.Primitive, tuple[Callable | None, Callable | None]] = {}
@@ -120,6 +119,17 @@ _BATCHING: dict[jex.Primitive, _Batching] = {}
 _ON_FORGET: list[Callable[[], None]] = []
 
 
+class Flags(NamedTuple):
+    """What a handler declares of its primitive for the drivers (see `register_handler`)."""
+
+    selectable: bool = False
+    runs_python: bool | None = None
+
+
+_FLAGS: dict[jex.Primitive, Flags] = {}
+_NO_FLAGS = Flags()
+
+
 def register_handler(
     primitive: jex.Primitive,
     handler: Handler | None = None,
@@ -127,6 +137,8 @@ def register_handler(
     find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
     thread_state: Callable | None = None,
     runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
+    selectable: bool = False,
+    runs_python: bool | None = None,
 ) -> Handler | Callable[[Handler], Handler]:
     """Teach `pull` to see inside a higher-order primitive.
 
@@ -160,6 +172,15 @@ def register_handler(
             equation runs, as a jaxpr of the equation's inputs and outputs (or `None`). Under
             `stateful` the state its functions read and set shows there, and an equation
             whose functions touch state is evaluated by threading that jaxpr (as a call).
+        selectable: whether selections (`stx.scopes`, `stx.lines`, `stx.primitives`) reach
+            into the jaxprs in its params: an equation whose jaxprs are evaluated again, with
+            marks in them, must take them as it took the old ones (the same inputs and
+            outputs), as a call, a loop or a branch does. Elsewhere a selection of a place
+            inside is an error that names the primitive.
+        runs_python: whether its rules may run Python functions held in its params, whose
+            marks no jaxpr shows (`pull` then traces its impl to find them). `None`: statax
+            decides from its impl and params (`_python_rules.runs_python`); `False` for a
+            primitive whose impl runs only its jaxprs (a call, a loop, a branch).
 
     Returns:
         The handler (or the decorator).
@@ -167,7 +188,7 @@ def register_handler(
     if not isinstance(primitive, jex.Primitive):
         raise TypeError(
             f"register_handler needs a jax.extend.core.Primitive, got {primitive!r}. Pass the "
-            "primitive object itself, e.g. jax.extend.core.primitives.cond_p."
+            "primitive object itself, e.g. jax.extend.core.primitives.closed_call_p."
         )
 
     def register(h: Handler) -> Handler:
@@ -176,6 +197,7 @@ def register_handler(
         _HANDLERS[primitive] = h
         _FINDERS.pop(primitive, None)
         _STATE_RULES.pop(primitive, None)
+        _FLAGS[primitive] = Flags(selectable, runs_python)
         if find_saves is not None:
             _FINDERS[primitive] = find_saves
         if thread_state is not None or runs is not None:
@@ -192,6 +214,7 @@ def unregister_handler(primitive: jex.Primitive) -> None:
     _HANDLERS.pop(primitive, None)
     _FINDERS.pop(primitive, None)
     _STATE_RULES.pop(primitive, None)
+    _FLAGS.pop(primitive, None)
     if primitive in _BATCHING:
         _BATCHING[primitive].exposer = None
         _settle_batching(primitive)
@@ -205,12 +228,15 @@ def register_family(
     find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
     thread_state: Callable | None = None,
     runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
+    selectable: bool = False,
+    runs_python: bool | None = None,
 ) -> None:
     """`register_handler` for a family of primitives that is open-ended (every equinox filter
     primitive, whichever library defines it): `handler` (and `find_saves`, `thread_state`,
-    `runs`) serve every equation of a primitive with no handler of its own for which
-    `matches(eqn)` is true."""
-    _FAMILIES.append((matches, handler, find_saves, (thread_state, runs)))
+    `runs` and the flags) serve every equation of a primitive with no handler of its own for
+    which `matches(eqn)` is true."""
+    flags = Flags(selectable, runs_python)
+    _FAMILIES.append((matches, handler, find_saves, (thread_state, runs), flags))
     _forget_rewrites()
 
 
@@ -238,7 +264,7 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
     handler = _HANDLERS.get(eqn.primitive)
     if handler is not None:
         return handler, _FINDERS.get(eqn.primitive)
-    for matches, handler, finder, _ in _FAMILIES:
+    for matches, handler, finder, _, _ in _FAMILIES:
         if matches(eqn):
             return handler, finder
     return None, None
@@ -256,10 +282,23 @@ def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None
         return _STATE_RULES[eqn.primitive]
     if eqn.primitive in _HANDLERS:
         return None, None
-    for matches, _, _, rules in _FAMILIES:
+    for matches, _, _, rules, _ in _FAMILIES:
         if matches(eqn):
             return rules
     return None, None
+
+
+def flags_for(eqn: jex.JaxprEqn) -> Flags:
+    """What `eqn`'s handler declared of its primitive (see `register_handler`): its
+    primitive's, else its family's, else the defaults (no handler: nothing declared)."""
+    flags = _FLAGS.get(eqn.primitive)
+    if flags is not None:
+        return flags
+    if eqn.primitive not in _HANDLERS:
+        for matches, _, _, _, family_flags in _FAMILIES:
+            if matches(eqn):
+                return family_flags
+    return _NO_FLAGS
 
 
 # ---- which marks a rewrite acts on ----------------------------------------------------------
@@ -364,7 +403,10 @@ def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     found: tuple[StateMeta, ...] = ()
     for sub in _compat.jaxprs_in_params(eqn.params):
         found += find_saves(sub)
-    if found or not _python_rules.runs_python(eqn):
+    if found:
+        return found
+    runs_python = flags_for(eqn).runs_python
+    if not (_python_rules.runs_python(eqn) if runs_python is None else runs_python):
         return found
     return find_saves_in_impl(eqn)
 
@@ -756,9 +798,7 @@ def handler_from_exposer(exposer: Exposer) -> Handler:
     return handler
 
 
-def register_exposer(
-    primitive: jex.Primitive, exposer: Exposer, *, thread_state: Callable | None = None
-) -> None:
+def register_exposer(primitive: jex.Primitive, exposer: Exposer, **declared) -> None:
     """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
     primitive is batched where it holds marks (see `handler_from_exposer`).
 
@@ -768,9 +808,9 @@ def register_exposer(
     primitive inside holds no marks any more, so it is batched by its own rule, and the marks
     bound outside it by the mark's. Elsewhere JAX's rule runs untouched.
 
-    `thread_state` is `register_handler`'s.
+    `declared` (`thread_state` and the flags) are `register_handler`'s.
     """
-    register_handler(primitive, handler_from_exposer(exposer), thread_state=thread_state)
+    register_handler(primitive, handler_from_exposer(exposer), **declared)
     _batching(primitive).exposer = exposer
 
 

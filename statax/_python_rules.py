@@ -13,8 +13,6 @@ from typing import Any
 import jax
 from jax.extend import core as jex
 
-from ._compat import JIT_PRIMITIVE, REMAT_PRIMITIVE
-
 from jax._src import dispatch  # isort: skip
 
 __all__ = ["run_impl", "runs_python"]
@@ -26,9 +24,8 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
     the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
     equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
     shows. Host callbacks are left out: they run on the host, on values; so are JAX's PRNG
-    primitives, whose params hold the key implementation (JAX's own functions)."""
-    if eqn.primitive in _RUN_JAXPRS:
-        return False
+    primitives, whose params hold the key implementation (JAX's own functions). A handler
+    that knows better says so where it is registered (`register_handler(runs_python=...)`)."""
     impl = eqn.primitive.impl
     if impl is None or eqn.primitive.name in _HOST_CALLBACKS | _PRNG:
         return False
@@ -39,19 +36,6 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
 _PRNG = frozenset({"random_seed", "random_wrap"})
-# JAX's call and control-flow primitives, whose Python impls run their jaxprs and nothing else.
-_RUN_JAXPRS = frozenset(
-    {
-        JIT_PRIMITIVE,
-        REMAT_PRIMITIVE,
-        jex.primitives.closed_call_p,
-        jex.primitives.scan_p,
-        jex.primitives.while_p,
-        jex.primitives.cond_p,
-    }
-)
-
-
 # Callable objects in params that are not code (a `jit` equation's `ctx_mesh` is a `Mesh`,
 # which is callable).
 _NOT_CODE = (

@@ -47,7 +47,7 @@ from jax.extend import source_info_util as source_info_api
 from . import _compat, _staging
 from ._errors import SelectionError
 from ._evaluator import bind_equation, evaluate, keep, rewrite
-from ._interpreter import map_jaxprs
+from ._interpreter import flags_for, map_jaxprs
 from ._meta import ARRAY, StateMeta
 from ._primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter, save_inter_p
 
@@ -547,21 +547,6 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
     return jax.tree_util.tree_unflatten(out_def, full)
 
 
-# The primitives whose jaxprs a selection reaches into: evaluated again, marks and all, they
-# take the new jaxpr as they took the old (the same inputs and outputs).
-_REACHED = frozenset(
-    {
-        _compat.JIT_PRIMITIVE.name,
-        _compat.REMAT_PRIMITIVE.name,
-        *(p.name for p in (jex.primitives.closed_call_p, jex.primitives.call_p)),
-        *(p.name for p in (jex.primitives.scan_p, jex.primitives.while_p, jex.primitives.cond_p)),
-        jex.primitives.custom_jvp_call_p.name,
-        jex.primitives.custom_vjp_call_p.name,
-        "custom_vjp_call_jaxpr",  # (JAX < 0.9's custom_vjp)
-    }
-)
-
-
 @dataclasses.dataclass
 class _Plan:
     """What `_evaluate` does in one jaxpr: marks after equations (`(name, vars, location,
@@ -655,7 +640,7 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
         going_on = tuple(s for s, out in zip(chosen, outside, strict=True) if i in out)
         inner_stack = _stack_of(stack, eqn)
         if going_on and any(_matches_in(sub, inner_stack, going_on) for sub in subs):
-            if eqn.primitive.name not in _REACHED:
+            if not flags_for(eqn).selectable:  # (declared where its handler is registered)
                 raise SelectionError(
                     f"{_describe(going_on)} selects values inside `{eqn.primitive}` (at "
                     f"{_location(eqn)}), which a selection does not reach into. Select the "

@@ -44,7 +44,6 @@ from ._interpreter import (
     inert,
     map_jaxprs,
     mark,
-    register_batching_guard,
     split_leaves,
     state_rules_for,
     take,
@@ -557,13 +556,15 @@ class Threading:
         env = {**self.env, **(start or {})}
         return _threaded(jaxpr, names, env, self.log, touched)
 
-    def carried(self, writes: dict, jaxpr, args: Sequence, loop: str) -> dict:
+    def carried(
+        self, writes: dict, jaxpr, args: Sequence, loop: str, *, may_run_none: bool
+    ) -> dict:
         """The value each name a loop sets starts the loop with (name -> `_Slot`; its
         `.leaves`): its value before the loop; else what the first iteration (`jaxpr` on
-        `args`) reads; else zeros for a `scan`, and a `StateError` for a `while_loop` (which
-        may run no iteration)."""
+        `args`) reads; else zeros, for a loop that always runs; and a `StateError` naming
+        `loop` for one that `may_run_none` (it would have no value after it)."""
         probe = None if jaxpr is None else _probe(jaxpr, list(args), self.env, self.log)
-        return _carried(writes, self.env, self.log, probe, loop)
+        return _carried(writes, self.env, self.log, probe, loop, may_run_none)
 
     def values(self, names: Sequence[str]) -> dict:
         """name -> the leaves it holds now."""
@@ -615,7 +616,9 @@ def _update(env: dict, new: dict, touched: dict, log: _Log, shards: tuple = ()) 
         log.set(n)
 
 
-def _carried(writes: dict, env: dict, log: _Log, probe: Callable | None, loop: str) -> dict:
+def _carried(
+    writes: dict, env: dict, log: _Log, probe: Callable | None, loop: str, may_run_none: bool
+) -> dict:
     first = probe() if probe is not None and any(n not in env for n in writes) else {}
     init = {}
     for n, (meta, avals) in writes.items():
@@ -623,7 +626,7 @@ def _carried(writes: dict, env: dict, log: _Log, probe: Callable | None, loop: s
             init[n] = _Slot(meta, tuple(_conform(env[n], meta, avals, "carried")))
         elif n in first:
             init[n] = _Slot(meta, tuple(_conform(first[n], meta, avals, "carried")))
-        elif loop == "scan":
+        elif not may_run_none:
             init[n] = _Slot(meta, tuple(jnp.zeros(a.shape, a.dtype) for a in avals))
         else:
             raise StateError(
@@ -795,43 +798,15 @@ def _set_batch(axis_size, vals, dims, *, meta):
     return vals, dims
 
 
-def _forbid_batched_predicate(prim, predicate_batched: Callable) -> None:
-    # JAX batches a `cond` (or `while_loop`) whose predicate differs per example by running
-    # every branch (every iteration) for every example and selecting: each branch's
-    # `set_state` would run for every example. Inside `stateful` that is an error, not a
-    # silently wrong state.
-    def guard(axis_data, dims, params):
-        if (
-            _compat.STATEFUL.value is not None
-            and predicate_batched(axis_data, params, dims)
-            and any(_names(j).reads or _names(j).writes for j in _compat.jaxprs_in_params(params))
-        ):
-            raise StateError(
-                f"A {prim} whose predicate differs per example of a vmap reads or sets state "
-                "inside stx.stateful: JAX runs every branch for every example, so each would "
-                "set it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
-            )
-
-    register_batching_guard(prim, guard)
+def threads_state(params: dict) -> bool:
+    """Whether `stx.stateful` is threading state and a jaxpr in `params` reads or sets it:
+    for a batching guard that refuses to batch a primitive whose functions would all run
+    (see `register_batching_guard`)."""
+    if _compat.STATEFUL.value is None:
+        return False
+    return any(_names(j).reads or _names(j).writes for j in _compat.jaxprs_in_params(params))
 
 
-def _while_predicate_batched(axis_data, params, dims) -> bool:
-    cond, body, cn, bn = _compat.while_parts(params)
-    batched = [d is not None for d in dims]
-    cconsts, bconsts, carry = batched[:cn], batched[cn : cn + bn], batched[cn + bn :]
-    while True:  # the carries batched after any number of iterations
-        out = _compat.batched_outputs(body, axis_data, [*bconsts, *carry])
-        grown = [a or b for a, b in zip(carry, out, strict=True)]
-        if grown == carry:
-            break
-        carry = grown
-    return _compat.batched_outputs(cond, axis_data, [*cconsts, *carry])[0]
-
-
-_forbid_batched_predicate(
-    jex.primitives.cond_p, lambda axis_data, params, dims: dims[0] is not None
-)
-_forbid_batched_predicate(jex.primitives.while_p, _while_predicate_batched)
 _compat.register_batching_rule(get_state_p, _get_batch)
 _compat.register_batching_rule(set_state_p, _set_batch)
 

@@ -74,21 +74,34 @@ def _stack(args):
     return jax.tree_util.tree_map(lambda x: jnp.stack([x, _other(x)]), args)
 
 
+def plain(f: Callable) -> Callable:
+    """No transformation: `check_pull`'s "plain"."""
+    return f
+
+
+# Each transformation `check_pull` knows, by its name: what it does to the reference ("same"
+# output, "batched" over two examples, or a "derivative" of it) and the transformation itself.
+_TRANSFORMS = {
+    t.__name__: (kind, t)
+    for kind, ts in (
+        ("same", (plain, jax.jit, eqx.filter_jit)),
+        ("batched", (jax.vmap, eqx.filter_vmap)),
+        ("derivative", (jax.grad, jax.jacfwd, jax.jacrev, eqx.filter_grad)),
+    )
+    for t in ts
+}
+# The derivative of the reference for each derivative transformation (equinox's filter_grad
+# differentiates the first argument, as jax.grad does).
+_DERIVATIVES = {"filter_grad": jax.grad} | {
+    t.__name__: t for t in (jax.grad, jax.jacfwd, jax.jacrev)
+}
+
+
 def check_pull(
     fn: Callable,
     reference: Callable,
     *args: Any,
-    transforms: tuple[str, ...] = (
-        "plain",
-        "jit",
-        "vmap",
-        "grad",
-        "jacfwd",
-        "jacrev",
-        "filter_jit",
-        "filter_vmap",
-        "filter_grad",
-    ),
+    transforms: tuple[str, ...] = tuple(_TRANSFORMS),
     rtol: float = 1e-5,
     atol: float = 1e-6,
 ) -> None:
@@ -98,48 +111,39 @@ def check_pull(
     for the differentiating ones) against the reference under `T`. Differentiation takes
     the gradient of a scalar output with respect to the first argument; under an inner
     derivative the intermediates are the primal values.
+
+    `transforms` names them, among "plain", "jit", "filter_jit", "vmap", "filter_vmap",
+    "grad", "jacfwd", "jacrev" and "filter_grad" (the default: all of them).
     """
+    unknown = sorted(set(transforms) - set(_TRANSFORMS))
+    if unknown:
+        raise ValueError(f"check_pull knows no transform {unknown}; it knows {list(_TRANSFORMS)}")
 
     def expect(name):
-        if name in ("plain", "jit", "filter_jit"):
+        kind, _ = _TRANSFORMS[name]
+        if kind == "same":
             return reference(*args)
-        if name in ("vmap", "filter_vmap"):
+        if kind == "batched":
             return jax.vmap(reference)(*_stack(args))
-        d = {"grad": jax.grad, "filter_grad": jax.grad, "jacfwd": jax.jacfwd, "jacrev": jax.jacrev}[
-            name
-        ]
-        return d(reference, has_aux=True)(*args)
+        return _DERIVATIVES[name](reference, has_aux=True)(*args)
 
     def inputs(name):
-        return _stack(args) if name in ("vmap", "filter_vmap") else args
+        return _stack(args) if _TRANSFORMS[name][0] == "batched" else args
 
-    inner = {
-        "plain": lambda f: f,
-        "jit": jax.jit,
-        "vmap": jax.vmap,
-        "grad": jax.grad,
-        "jacfwd": jax.jacfwd,
-        "jacrev": jax.jacrev,
-        "filter_jit": eqx.filter_jit,
-        "filter_vmap": eqx.filter_vmap,
-        "filter_grad": eqx.filter_grad,
-    }
-    outer = {
-        "plain": lambda f: f,
-        "jit": jax.jit,
-        "vmap": jax.vmap,
-        "grad": lambda f: jax.grad(f, has_aux=True),
-        "jacfwd": lambda f: jax.jacfwd(f, has_aux=True),
-        "jacrev": lambda f: jax.jacrev(f, has_aux=True),
-        "filter_jit": eqx.filter_jit,
-        "filter_vmap": eqx.filter_vmap,
-        "filter_grad": lambda f: eqx.filter_grad(f, has_aux=True),
-    }
+    def inner(name):
+        return _TRANSFORMS[name][1]
+
+    def outer(name):
+        transform = _TRANSFORMS[name][1]
+        if _TRANSFORMS[name][0] == "derivative":
+            return lambda f: transform(f, has_aux=True)
+        return transform
+
     for name in transforms:
         expected = expect(name)
         for order, got in (
-            (f"pull({name}(f))", lambda: pull(inner[name](fn))(*inputs(name))),
-            (f"{name}(pull(f))", lambda: outer[name](pull(fn))(*inputs(name))),
+            (f"pull({name}(f))", lambda: pull(inner(name)(fn))(*inputs(name))),
+            (f"{name}(pull(f))", lambda: outer(name)(pull(fn))(*inputs(name))),
         ):
             try:
                 assert_tree_allclose(got(), expected, rtol=rtol, atol=atol)

@@ -16,13 +16,13 @@ from .._compat import JIT_PRIMITIVE as JIT_PRIMITIVE
 from .._compat import REMAT_PRIMITIVE as REMAT_PRIMITIVE
 from .._compat import SHARD_MAP_PRIMITIVE as SHARD_MAP_PRIMITIVE
 from .._compat import SymbolicZero as SymbolicZero
+from .._compat import batched_outputs as batched_outputs
 from .._compat import bind as bind
 from .._compat import dce as dce
 from .._compat import equations as equations
 from .._compat import trace as trace
 from .._compat import vary as vary
 from .._compat import wraps_jaxpr as wraps_jaxpr
-from .._errors import BranchMismatchError as BranchMismatchError
 from .._errors import StateError as StateError
 from .._interpreter import Exposer as Exposer
 from .._interpreter import Handler as Handler
@@ -59,16 +59,17 @@ from .._interpreter import unregister_handler as unregister_handler
 from .._interpreter import zero_tangent as zero_tangent
 from .._meta import ARRAY as ARRAY
 from .._meta import StateMeta as StateMeta
+from .._meta import kinds_str as kinds_str
 from .._meta import occurrences as occurrences
 from .._primitive import save_inter_p as save_inter_p
 from .._stateful import Threading as Threading
+from .._stateful import threads_state as threads_state
 from . import equinox as equinox
 from . import params as params
 from . import reductions as reductions
 
 __all__ = [
     "ARRAY",
-    "BranchMismatchError",
     "Exposer",
     "HI_PRIMITIVE",
     "Handler",
@@ -82,6 +83,7 @@ __all__ = [
     "SymbolicZero",
     "Threading",
     "acts_on",
+    "batched_outputs",
     "bind",
     "call_equation",
     "current_selection",
@@ -93,6 +95,7 @@ __all__ = [
     "find_saves_in_impl",
     "handler_from_exposer",
     "inert",
+    "kinds_str",
     "map_jaxprs",
     "mark",
     "occurrences",
@@ -113,6 +116,7 @@ __all__ = [
     "save_inter_p",
     "split_leaves",
     "take",
+    "threads_state",
     "trace",
     "trace_impl",
     "traced_impl",

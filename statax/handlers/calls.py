@@ -66,7 +66,9 @@ def _remat_state(eqn, invals, threading):
     return outs
 
 
-register_handler(closed_call_p, _closed_call_handler, thread_state=_call_state)
-register_handler(call_p, _open_call_handler, thread_state=_call_state)
-register_handler(REMAT_PRIMITIVE, _open_call_handler, thread_state=_remat_state)
-register_handler(JIT_PRIMITIVE, _jit_handler, thread_state=_jit_state)
+# A call runs its jaxpr and nothing else: selections reach into it, and it runs no Python.
+_CALL = {"selectable": True, "runs_python": False}
+register_handler(closed_call_p, _closed_call_handler, thread_state=_call_state, **_CALL)
+register_handler(call_p, _open_call_handler, thread_state=_call_state, **_CALL)
+register_handler(REMAT_PRIMITIVE, _open_call_handler, thread_state=_remat_state, **_CALL)
+register_handler(JIT_PRIMITIVE, _jit_handler, thread_state=_jit_state, **_CALL)

@@ -24,17 +24,36 @@ from jax.extend import core as jex
 from jax.extend.core.primitives import cond_p
 
 from statax.extend import (
-    BranchMismatchError,
     StateError,
+    StateMeta,
+    kinds_str,
     mark,
     occurrences,
     params,
     pull_jaxpr,
+    register_batching_guard,
     register_exposer,
     split_leaves,
     take,
+    threads_state,
     trace,
 )
+
+
+class BranchMismatchError(TypeError):
+    """Two branches of a `cond` save different kinds of value under one (name, occurrence)."""
+
+    def __init__(self, meta_a: StateMeta, avals_a, meta_b: StateMeta, avals_b):
+        def kind(meta, avals):
+            return f"{meta.treedef} of {kinds_str(avals)}"
+
+        super().__init__(
+            f"The branches of a cond/switch save different values as {meta_a.name!r}: "
+            f"{kind(meta_a, avals_a)} at {meta_a.location}, but {kind(meta_b, avals_b)} at "
+            f"{meta_b.location}. statax returns one value per name and occurrence from "
+            "whichever branch ran, so they must match. To fix: give the two save_inter calls "
+            "different names."
+        )
 
 
 def _slots(per_branch_metas, per_branch_avals):
@@ -139,4 +158,22 @@ def _cond_state(eqn, invals, threading):
     return outs
 
 
-register_exposer(cond_p, _cond_exposer, thread_state=_cond_state)
+# A branch runs its jaxprs and nothing else: selections reach into them, and it runs no Python.
+register_exposer(
+    cond_p, _cond_exposer, thread_state=_cond_state, selectable=True, runs_python=False
+)
+
+
+def _refuse_batched_predicate(axis_data, dims, eqn_params):
+    # JAX batches a `cond` whose predicate differs per example by running every branch for
+    # every example and selecting: each branch's `set_state` would run for every example.
+    # Inside `stateful` that is an error, not a silently wrong state.
+    if dims[0] is not None and threads_state(eqn_params):
+        raise StateError(
+            "A cond whose predicate differs per example of a vmap reads or sets state inside "
+            "stx.stateful: JAX runs every branch for every example, so each would set it. "
+            "Apply the vmap outside: jax.vmap(stx.stateful(f))."
+        )
+
+
+register_batching_guard(cond_p, _refuse_batched_predicate)

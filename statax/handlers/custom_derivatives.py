@@ -217,4 +217,5 @@ for _primitive, _rule in ((custom_jvp_call_p, "jvp"), (custom_vjp_call_p, "vjp")
         handler_from_exposer(_exposer(_primitive, _rule)),
         find_saves=_find_saves,
         thread_state=_thread_state,
+        selectable=True,  # evaluated again, the function keeps its rule
     )

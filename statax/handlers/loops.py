@@ -45,16 +45,20 @@ from jax.extend.core.primitives import scan_p, while_p
 
 from statax.extend import (
     StateError,
+    batched_outputs,
+    equations,
     handler_from_exposer,
     mark,
     params,
     pull_jaxpr,
     reductions,
+    register_batching_guard,
     register_exposer,
     register_handler,
     restage_equation,
     split_leaves,
     take,
+    threads_state,
 )
 from statax.extend import equinox as equinox_internals
 
@@ -65,7 +69,7 @@ def _scan_exposer(*args, **eqn_params):
     body, metas, ins = pull_jaxpr(parts.jaxpr)
     num_out = len(parts.jaxpr.out_avals)
     init = args[num_consts : num_consts + num_carry]
-    if metas and equinox_internals.is_bounded_step(parts.jaxpr, init):
+    if metas and _is_bounded_step(parts.jaxpr, init):
         outs, leaves = _bounded_loop_scan(args, parts, body, metas, ins)
         mark(leaves, metas)
         return outs
@@ -187,7 +191,9 @@ def _unstack_reduced(metas, stacked, flat=True):
     return [x for part in out for x in part] if flat else out
 
 
-register_exposer(scan_p, _scan_exposer)
+# A loop runs its jaxprs and nothing else: selections reach into them, and it runs no Python.
+_LOOP = {"selectable": True, "runs_python": False}
+register_exposer(scan_p, _scan_exposer, **_LOOP)
 _scan_traced = handler_from_exposer(_scan_exposer)
 
 
@@ -199,7 +205,7 @@ def _scan_handler(eqn):
     if (
         body.ins
         or any(m.reduce is not None for m in body.outs)
-        or equinox_internals.is_bounded_step(
+        or _is_bounded_step(
             parts.jaxpr, [x.aval for x in eqn.invars[parts.num_consts :][: parts.num_carry]]
         )
     ):
@@ -215,7 +221,9 @@ def _scan_state(eqn, invals, threading):
     consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     writes = threading.uses(parts.jaxpr).writes if parts.length else {}  # no iteration, no set
     first = [x[-1 if parts.reverse else 0] for x in xs]
-    init = threading.carried(writes, parts.jaxpr, [*consts, *carry, *first], "scan")
+    init = threading.carried(
+        writes, parts.jaxpr, [*consts, *carry, *first], "scan", may_run_none=False
+    )
     body = threading.threaded(parts.jaxpr, list(writes), writes, start=init)
 
     def step(c, x):
@@ -234,7 +242,7 @@ def _scan_state(eqn, invals, threading):
     return [*carry_out, *ys]
 
 
-register_handler(scan_p, _scan_handler, thread_state=_scan_state)
+register_handler(scan_p, _scan_handler, thread_state=_scan_state, **_LOOP)
 
 
 def _while_exposer(*args, **eqn_params):
@@ -250,7 +258,7 @@ def _while_exposer(*args, **eqn_params):
     # Planted values: one each, used in every iteration.
     cond_planted = take(cond_ins, cond_fn.in_avals[cond_nconsts + n :])
     body_planted = take(body_ins, body_fn.in_avals[body_nconsts + n :])
-    running = equinox_internals.loop_running(cond_jaxpr, init)
+    running = _loop_running(cond_jaxpr, init)
 
     def evaluate_cond(carry):
         pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry, *cond_planted)
@@ -289,7 +297,9 @@ def _while_state(eqn, invals, threading):
             "which decides whether to go on and must not change state. Set it in body_fun."
         )
     writes = threading.uses(body_jaxpr).writes
-    init = threading.carried(writes, body_jaxpr, [*bconsts, *carry], "while_loop")
+    init = threading.carried(
+        writes, body_jaxpr, [*bconsts, *carry], "while_loop", may_run_none=True
+    )
     body = threading.threaded(body_jaxpr, list(writes), writes, start=init)
     test = threading.threaded(cond, list(writes), {}, start=init)
     carry_out, new = jax.lax.while_loop(
@@ -301,4 +311,72 @@ def _while_state(eqn, invals, threading):
     return carry_out
 
 
-register_exposer(while_p, _while_exposer, thread_state=_while_state)
+register_exposer(while_p, _while_exposer, thread_state=_while_state, **_LOOP)
+
+
+def _refuse_batched_predicate(axis_data, dims, eqn_params):
+    # JAX batches a `while_loop` whose predicate differs per example by running every
+    # iteration for every example and selecting: each `set_state` would run for every example.
+    # Inside `stateful` that is an error, not a silently wrong state.
+    if threads_state(eqn_params) and _predicate_batched(axis_data, eqn_params, dims):
+        raise StateError(
+            "A while_loop whose predicate differs per example of a vmap reads or sets state "
+            "inside stx.stateful: JAX runs every iteration for every example, so each would "
+            "set it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
+        )
+
+
+def _predicate_batched(axis_data, eqn_params, dims) -> bool:
+    cond, body, cn, bn = params.while_parts(eqn_params)
+    batched = [d is not None for d in dims]
+    cconsts, bconsts, carry = batched[:cn], batched[cn : cn + bn], batched[cn + bn :]
+    while True:  # the carries batched after any number of iterations
+        out = batched_outputs(body, axis_data, [*bconsts, *carry])
+        grown = [a or b for a, b in zip(carry, out, strict=True)]
+        if grown == carry:
+            break
+        carry = grown
+    return batched_outputs(cond, axis_data, [*cconsts, *carry])[0]
+
+
+register_batching_guard(while_p, _refuse_batched_predicate)
+
+
+# ---- equinox's loops: how they look in a jaxpr (equinox 0.13, `equinox.internal._loop`) --------
+
+
+def _is_bounded_step(body: jex.ClosedJaxpr, init) -> bool:
+    """Whether a `scan` with this body and initial carry is a level of an
+    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
+    over equinox's loop carry `(step, pred, prev_pred, *state)` (see `_loop_running`), whose
+    `cond_fun` calls `unvmap_any`. Differentiated (`pull(grad(f))`), the loop is JAX's forward
+    pass of it, whose dead-code elimination may drop `prev_pred`: `(step, pred)` is what the
+    loop needs to know which steps ran, and what it checks."""
+    return _equinox_carry(init, prev=False) and _calls(body, "unvmap_any")
+
+
+def _equinox_carry(init, prev: bool = True) -> bool:
+    """Whether `init` starts with equinox's `(step, pred, prev_pred)` (`prev=False`: with
+    `(step, pred)`)."""
+    if len(init) < 2 + prev:
+        return False
+    step, *flags = init[: 2 + prev]  # values or their types: both have a shape and a dtype
+    flags_ok = all(a.shape == () and a.dtype == jnp.bool_ for a in flags)
+    return flags_ok and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
+
+
+def _calls(jaxpr, name: str) -> bool:
+    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
+    return any(eqn.primitive.name == name for eqn in equations(jaxpr))
+
+
+def _loop_running(cond_jaxpr: jex.ClosedJaxpr, init) -> int | None:
+    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
+    its carry of equinox's per-example "still running" flag; else `None`.
+
+    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
+    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
+    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
+    if _equinox_carry(init) and _calls(cond_jaxpr, "unvmap_any"):
+        return 1
+    return None
