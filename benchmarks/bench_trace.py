@@ -24,8 +24,8 @@ from bench_core import by_hand, init, marked, unmarked
 from jax import lax
 
 import statax as stx
-from statax import _compat
-from statax._primitive import _array_params
+from statax._core import staging as _staging
+from statax._core.primitive import _array_params
 
 
 def mlp_params(width, key=0):
@@ -40,7 +40,7 @@ def bare_marks(params, x):
     """`unmarked`, with a bare unpulled mark on each layer: the least a staged mark can cost."""
     for w in params:
         x = jnp.tanh(x @ w)
-        _compat.observe_staged(stx.extend.save_inter_p, x, _BARE_PARAMS)
+        _staging.observe_staged(stx.extend.save_inter_p, x, _BARE_PARAMS)
     return jnp.sum(x)
 
 

@@ -6,41 +6,41 @@ Mark a value with `save_inter(value, name=...)` anywhere inside a function, and
 
 import importlib.metadata
 
-from . import _display
 from . import extend as extend
-from . import handlers as handlers  # registers the built-in handlers
-from ._display import describe as describe
-from ._errors import HandlerError as HandlerError
-from ._errors import KeyCollisionError as KeyCollisionError
-from ._errors import PlantError as PlantError
-from ._errors import ReduceMismatchError as ReduceMismatchError
-from ._errors import SelectionError as SelectionError
-from ._errors import StateError as StateError
-from ._errors import StatefulWarning as StatefulWarning
-from ._errors import UnhandledPrimitiveError as UnhandledPrimitiveError
-from ._interventions import grad_inters as grad_inters
-from ._interventions import plant as plant
-from ._meta import StateMeta as StateMeta
-from ._primitive import save_inter as save_inter
-from ._pull import Key as Key
-from ._pull import pull as pull
-from ._records import records as records
-from ._scope import scope as scope
-from ._select import lines as lines
-from ._select import modules as modules
-from ._select import primitives as primitives
-from ._select import scopes as scopes
-from ._sinks import TensorBoardWriter as TensorBoardWriter
-from ._sinks import plot_exponent_histogram as plot_exponent_histogram
-from ._sinks import plot_heatmap as plot_heatmap
-from ._sinks import plot_stat as plot_stat
-from ._sinks import to_dataframe as to_dataframe
-from ._stateful import get_state as get_state
-from ._stateful import set_state as set_state
-from ._stateful import stateful as stateful
-from ._stats import stats as stats
-from ._stats import tree_stats as tree_stats
-from ._track import Tracker as Tracker
+from . import handlers as handlers
+from ._core.errors import HandlerError as HandlerError
+from ._core.errors import KeyCollisionError as KeyCollisionError
+from ._core.errors import PlantError as PlantError
+from ._core.errors import ReduceMismatchError as ReduceMismatchError
+from ._core.errors import SelectionError as SelectionError
+from ._core.errors import StateError as StateError
+from ._core.errors import StatefulWarning as StatefulWarning
+from ._core.errors import UnhandledPrimitiveError as UnhandledPrimitiveError
+from ._core.meta import StateMeta as StateMeta
+from ._core.primitive import save_inter as save_inter
+from ._core.scope import scope as scope
+from ._core.state import get_state as get_state
+from ._core.state import set_state as set_state
+from ._drivers.interventions import grad_inters as grad_inters
+from ._drivers.interventions import plant as plant
+from ._drivers.naming import Key as Key
+from ._drivers.pull import pull as pull
+from ._drivers.stateful import stateful as stateful
+from ._monitor import display as _display
+from ._monitor.display import describe as describe
+from ._monitor.records import records as records
+from ._monitor.sinks import TensorBoardWriter as TensorBoardWriter
+from ._monitor.sinks import plot_exponent_histogram as plot_exponent_histogram
+from ._monitor.sinks import plot_heatmap as plot_heatmap
+from ._monitor.sinks import plot_stat as plot_stat
+from ._monitor.sinks import to_dataframe as to_dataframe
+from ._monitor.stats import stats as stats
+from ._monitor.stats import tree_stats as tree_stats
+from ._monitor.track import Tracker as Tracker
+from ._select.vocabulary import lines as lines
+from ._select.vocabulary import modules as modules
+from ._select.vocabulary import primitives as primitives
+from ._select.vocabulary import scopes as scopes
 from .handlers.cond import BranchMismatchError as BranchMismatchError
 
 _display.register_notebook_display()  # in Jupyter or Colab, pull's dicts display as tables

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._pull import pull
+from ._drivers.pull import pull
 
 __all__ = ["assert_tree_allclose", "check_pull", "hlo_ops"]
 

@@ -11,7 +11,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "fast_paths: checks how a fast path works inside (see statax/_fastpaths.py); skipped "
+        "fast_paths: checks how a fast path works inside (see statax/_core/fastpaths.py); skipped "
         "where they are off (STATAX_FAST_PATHS=0), where the plain paths give the same values "
         "and keys by other means",
     )
@@ -20,7 +20,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    from statax import _fastpaths
+    from statax._core import fastpaths as _fastpaths
 
     if _fastpaths.on:
         return

@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import statax as stx
-from statax import _fastpaths
+from statax._core import fastpaths as _fastpaths
 from statax.testing import assert_tree_allclose
 
 X = jnp.array([0.3, -0.5, 0.8, 0.1])

@@ -107,7 +107,7 @@ def test_describe_adds_treescopes_rendering_of_the_values_where_installed():
 def test_pulls_dict_displays_as_a_table_in_an_ipython_kernel_and_other_dicts_as_before():
     from IPython.core.interactiveshell import InteractiveShell
 
-    from statax import _display
+    from statax._monitor import display as _display
 
     shell = InteractiveShell.instance()
     try:
@@ -129,7 +129,7 @@ def test_pulls_dict_displays_as_a_table_in_an_ipython_kernel_and_other_dicts_as_
 
 
 def test_without_a_kernel_nothing_is_registered(monkeypatch):
-    from statax import _display
+    from statax._monitor import display as _display
 
     monkeypatch.delitem(sys.modules, "IPython", raising=False)
     assert _display.register_notebook_display() is False

@@ -101,7 +101,7 @@ def test_unhandled_primitive_error_is_raised_at_trace_time_not_run_time():
 def test_a_users_mistake_shows_the_users_frames_and_none_of_statax_or_jax():
     import traceback
 
-    from statax._tracebacks import PACKAGE
+    from statax._core.tracebacks import PACKAGE
 
     def f(x):
         return stx.save_inter(x * 2, name=3)

@@ -5,7 +5,7 @@ import pytest
 from jax.extend.core import jaxpr_as_fun
 
 import statax as stx
-from statax import _compat
+from statax._jax import jaxprs as _compat
 from statax.testing import assert_tree_allclose
 
 

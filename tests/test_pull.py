@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import statax as stx
-from statax._pull import origins
+from statax._drivers.naming import origins
 from statax.testing import assert_tree_allclose, check_pull
 
 
@@ -371,7 +371,7 @@ def test_repeated_calls_and_fresh_pulls_do_not_retrace():
 
 
 def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
-    import statax._pull as pull_module
+    import statax._drivers.pull as pull_module
 
     calls = []
     original = pull_module.pull_collected
@@ -420,7 +420,7 @@ def _jitted_layers(n):
 
 @pytest.mark.fast_paths
 def test_eager_calls_of_a_jitted_function_run_compiled(monkeypatch):
-    import statax._pull as pull_module
+    import statax._drivers.pull as pull_module
 
     f, ref = _jitted_layers(12)
     pulled = stx.pull(f)
@@ -619,19 +619,21 @@ def test_pull_keeps_the_signature():
 
 
 def test_changing_a_handler_drops_every_cached_rewrite():
-    from statax import _interpreter, _pull
+    from statax._core import exposers, marks, registry, rewrite
+    from statax._drivers import cache
 
     def f(x):
         return lax.cond(x > 0, lambda: stx.save_inter(x, name="c"), lambda: x)
 
     stx.pull(f)(1.0)
-    assert _pull._CACHE and _interpreter._PULLED and _interpreter._SAVES
-    handler = _interpreter._HANDLERS[lax.cond_p]
-    thread_state, _ = _interpreter._STATE_RULES[lax.cond_p]
-    stx.extend.register_handler(lax.cond_p, handler, thread_state=thread_state)
-    caches = (_interpreter._SAVES, _interpreter._PULLED, _interpreter._PULLED_OPEN)
-    assert not _pull._CACHE and not any(caches)
-    assert not _interpreter._INERT and not _interpreter._IMPLS
+    assert cache._CACHE and rewrite._PULLED and marks._SAVES
+    handler = registry._HANDLERS[lax.cond_p]
+    thread_state, _ = registry._STATE_RULES[lax.cond_p]
+    flags = registry._FLAGS[lax.cond_p]._asdict()
+    stx.extend.register_handler(lax.cond_p, handler, thread_state=thread_state, **flags)
+    caches = (marks._SAVES, rewrite._PULLED, rewrite._PULLED_OPEN)
+    assert not cache._CACHE and not any(caches)
+    assert not exposers._INERT and not marks._IMPLS
 
 
 def branches_and_loop(x, p):

@@ -292,7 +292,7 @@ def test_scan_reverse_first_and_last_follow_execution_order():
 def test_a_new_mode_is_one_table_entry(monkeypatch):
     # A product mode, added as one `Mode`: straight-line code, scan, while, cond and shard_map
     # need no other change.
-    from statax import _reduce
+    from statax._core import reduce as _reduce
 
     prod = _reduce.Mode(
         "prod",

@@ -6,7 +6,7 @@ import pytest
 from jax import lax
 
 import statax as stx
-from statax import _compat
+from statax._jax import jaxprs as _compat
 from statax.testing import assert_tree_allclose, hlo_ops
 
 X = jnp.array([0.5, -1.0, 2.0])

@@ -3,32 +3,32 @@ use names them: a view of each family (`*_parts`) and a way back (`*_params`). A
 reads params through these survives a JAX release that renames them (they live in
 `statax._compat`, the one module that knows JAX's internals)."""
 
-from .._compat import LinearSolveParts as LinearSolveParts
-from .._compat import ScanParts as ScanParts
-from .._compat import ShardMapParts as ShardMapParts
-from .._compat import WhileParts as WhileParts
-from .._compat import call_jaxpr as call_jaxpr
-from .._compat import call_params as call_params
-from .._compat import checkpoint_options as checkpoint_options
-from .._compat import cond_branches as cond_branches
-from .._compat import cond_params as cond_params
-from .._compat import custom_params as custom_params
-from .._compat import custom_primal as custom_primal
-from .._compat import hi_expand as hi_expand
-from .._compat import hi_jaxprs as hi_jaxprs
-from .._compat import jaxprs_in_params as jaxprs_in_params
-from .._compat import jit_jaxpr as jit_jaxpr
-from .._compat import jit_params as jit_params
-from .._compat import linear_solve_params as linear_solve_params
-from .._compat import linear_solve_parts as linear_solve_parts
-from .._compat import scan_params as scan_params
-from .._compat import scan_parts as scan_parts
-from .._compat import shard_map_parts as shard_map_parts
-from .._compat import while_parts as while_parts
-from .._custom_rules import custom_rule as custom_rule
-from .._custom_rules import custom_rule_in_library as custom_rule_in_library
-from .._custom_rules import custom_rule_inputs as custom_rule_inputs
-from .._custom_rules import custom_rule_params as custom_rule_params
+from .._core.custom_rules import custom_rule as custom_rule
+from .._core.custom_rules import custom_rule_in_library as custom_rule_in_library
+from .._core.custom_rules import custom_rule_inputs as custom_rule_inputs
+from .._core.custom_rules import custom_rule_params as custom_rule_params
+from .._jax.jaxprs import jaxprs_in_params as jaxprs_in_params
+from .._jax.params import LinearSolveParts as LinearSolveParts
+from .._jax.params import ScanParts as ScanParts
+from .._jax.params import ShardMapParts as ShardMapParts
+from .._jax.params import WhileParts as WhileParts
+from .._jax.params import call_jaxpr as call_jaxpr
+from .._jax.params import call_params as call_params
+from .._jax.params import checkpoint_options as checkpoint_options
+from .._jax.params import cond_branches as cond_branches
+from .._jax.params import cond_params as cond_params
+from .._jax.params import custom_params as custom_params
+from .._jax.params import custom_primal as custom_primal
+from .._jax.params import hi_expand as hi_expand
+from .._jax.params import hi_jaxprs as hi_jaxprs
+from .._jax.params import jit_jaxpr as jit_jaxpr
+from .._jax.params import jit_params as jit_params
+from .._jax.params import linear_solve_params as linear_solve_params
+from .._jax.params import linear_solve_parts as linear_solve_parts
+from .._jax.params import scan_params as scan_params
+from .._jax.params import scan_parts as scan_parts
+from .._jax.params import shard_map_parts as shard_map_parts
+from .._jax.params import while_parts as while_parts
 
 __all__ = [
     "LinearSolveParts",

@@ -2,17 +2,17 @@
 of loops, branches and shards do with reduced intermediates: start, combine and fold
 accumulators."""
 
-from .._reduce import MODES as MODES
-from .._reduce import Mode as Mode
-from .._reduce import across_shards as across_shards
-from .._reduce import check_in_while as check_in_while
-from .._reduce import combine as combine
-from .._reduce import finalize as finalize
-from .._reduce import fold_axis as fold_axis
-from .._reduce import identity as identity
-from .._reduce import merge as merge
-from .._reduce import running as running
-from .._reduce import stacked as stacked
+from .._core.reduce import MODES as MODES
+from .._core.reduce import Mode as Mode
+from .._core.reduce import across_shards as across_shards
+from .._core.reduce import check_in_while as check_in_while
+from .._core.reduce import combine as combine
+from .._core.reduce import finalize as finalize
+from .._core.reduce import fold_axis as fold_axis
+from .._core.reduce import identity as identity
+from .._core.reduce import merge as merge
+from .._core.reduce import running as running
+from .._core.reduce import stacked as stacked
 
 __all__ = [
     "MODES",

@@ -56,6 +56,9 @@ class BranchMismatchError(TypeError):
         )
 
 
+BranchMismatchError.__module__ = "statax"  # users catch it as stx.BranchMismatchError
+
+
 def _slots(per_branch_metas, per_branch_avals):
     """{key: (meta, avals)} over all branches, and per branch {key: index of its meta}."""
     slots, per_branch = {}, []

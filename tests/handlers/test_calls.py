@@ -11,7 +11,7 @@ from jax.extend.core.primitives import closed_call_p
 from jax.sharding import NamedSharding, PartitionSpec
 
 import statax as stx
-from statax import _compat
+from statax._jax import jaxprs as _compat
 from statax.testing import assert_tree_allclose, check_pull
 
 

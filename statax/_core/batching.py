@@ -1,0 +1,110 @@
+"""Version shims: what statax reads of JAX that is private or changes between releases.
+
+Each name here hides one such thing (a param's name, a rule table's signature, where a
+primitive lives), with the JAX versions it was written against, so that a new JAX release is
+an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
+does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
+that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
+`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
+of them reads (`tools/private_names.py`).
+
+Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
+on the version or on behaviour says, in a comment, which versions each side covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex
+
+from jax._src import core  # isort: skip
+
+
+from jax._src.interpreters import batching  # isort: skip
+
+
+import dataclasses
+
+from .._jax import jaxprs as _jaxprs
+from .._jax import tracing as _tracing
+from .._jax.jaxprs import trace
+from . import context as _context
+from .marks import find_saves
+from .registry import Exposer, on_unregister
+
+__all__ = ["batch_traced"]
+
+
+def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:
+    """Inside a batching rule: `fn` traced per example and batched with JAX's own rules, applied
+    to `args` (batched along `dims`); returns `(outs, out_dims)`."""
+    in_avals = [
+        core.mapped_aval(axis_data.size, d, jax.typeof(x)) if d is not None else jax.typeof(x)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    closed = trace(fn, in_avals, name="statax_batched")
+    batched, out_dims = batching.batch_jaxpr2(closed, axis_data, tuple(dims))
+    return jex.jaxpr_as_fun(batched)(*args), list(out_dims)
+
+
+# The one owner of statax's batching rules for JAX's primitives: primitive -> _Batching. An
+# exposer (`register_exposer`) and guards (`register_batching_guard`) share one rule, installed
+# once and JAX's own given back when neither is left.
+_BATCHING: dict[jex.Primitive, _Batching] = {}
+
+
+def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
+    """Run `guard(axis_data, dims, params)` before `primitive` is batched (it raises where the
+    batching would be wrong), whatever else batches it. Kept by `unregister_handler`."""
+    _batching(primitive).guards.append(guard)
+
+
+@dataclasses.dataclass
+class _Batching:
+    original: Callable | None  # JAX's own rule
+    exposer: Exposer | None = None
+    guards: list = dataclasses.field(default_factory=list)
+
+
+def _batching(primitive: jex.Primitive) -> _Batching:
+    entry = _BATCHING.get(primitive)
+    if entry is None:
+        entry = _BATCHING[primitive] = _Batching(_tracing.batching_rule(primitive))
+
+        def rule(axis_data, args, dims, **params):
+            for guard in entry.guards:
+                guard(axis_data, dims, params)
+            exposer = entry.exposer
+            if exposer is None or not _params_hold_marks(params):
+                return entry.original(axis_data, args, dims, **params)
+            return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
+
+        _tracing.set_batching_rule(primitive, rule)
+    return entry
+
+
+def _settle_batching(primitive: jex.Primitive) -> None:
+    """Give JAX its own batching rule back where statax has nothing left to add."""
+    entry = _BATCHING[primitive]
+    if entry.exposer is None and not entry.guards:
+        _tracing.set_batching_rule(primitive, _BATCHING.pop(primitive).original)
+
+
+def _params_hold_marks(params: dict) -> bool:
+    # Only while a `pull` traces: outside one, marks are plain identities, and JAX's own
+    # batching rule is the cheapest.
+    return bool(_context.PULLING.value) and any(
+        find_saves(sub) for sub in _jaxprs.jaxprs_in_params(params)
+    )
+
+
+def _unregistered(primitive: jex.Primitive) -> None:
+    if primitive in _BATCHING:  # its exposer goes with its handler; JAX's rule comes back
+        _BATCHING[primitive].exposer = None
+        _settle_batching(primitive)
+
+
+on_unregister(_unregistered)

@@ -1,0 +1,138 @@
+"""Version shims: what statax reads of JAX that is private or changes between releases.
+
+Each name here hides one such thing (a param's name, a rule table's signature, where a
+primitive lives), with the JAX versions it was written against, so that a new JAX release is
+an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
+does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
+that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
+`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
+of them reads (`tools/private_names.py`).
+
+Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
+on the version or on behaviour says, in a comment, which versions each side covers.
+"""
+
+from __future__ import annotations
+
+from jax._src import config as jax_config  # isort: skip
+
+
+from jax._src import effects as effects_lib  # isort: skip
+
+
+__all__ = [
+    "DIFFERENTIATING",
+    "PLANTING",
+    "PULLING",
+    "RAN_MASKS",
+    "SAVE_EFFECT",
+    "SCOPE",
+    "SELECTION",
+    "STATEFUL",
+    "STATE_EFFECT",
+]
+
+
+class SaveEffect(effects_lib.Effect):
+    """Carried by a mark while a `pull` traces it, so that no transformation drops it.
+
+    JAX removes effect-free equations whose outputs are unused in many places (dead-code
+    elimination, and tracing that drops such equations as it goes, as the linearisation of
+    JAX 0.9+ does); an effect keeps them. `pull` removes every mark it collects, and its effect
+    with it, so the programs it returns carry no effect. Marks traced outside a `pull` carry no
+    effect and cost nothing.
+    """
+
+    def __repr__(self) -> str:
+        return "SaveEffect"
+
+
+class StateEffect(effects_lib.Effect):
+    """Carried by `get_state` and `set_state` (which exist only while `stateful` traces), for
+    the reason `SaveEffect` is: no transformation may drop a read or a write of state.
+    `stateful` replaces every one of them, so the programs it returns carry no effect."""
+
+    def __repr__(self) -> str:
+        return "StateEffect"
+
+
+SAVE_EFFECT = SaveEffect()
+STATE_EFFECT = StateEffect()
+for _allowed in (
+    effects_lib.control_flow_allowed_effects,
+    effects_lib.custom_derivatives_allowed_effects,
+    effects_lib.remat_allowed_effects,
+    effects_lib.lowerable_effects,
+    effects_lib.partial_eval_kept_effects,
+):
+    _allowed.add_type(SaveEffect)
+    _allowed.add_type(StateEffect)
+
+# Whether a `pull` is tracing. Part of JAX's trace context, so that `jax.jit` caches the traces
+# it makes inside a `pull` (whose marks carry `SaveEffect`) apart from the others.
+PULLING = jax_config.bool_state(
+    "statax_pulling",
+    False,
+    "Internal to statax: true while statax.pull traces a function.",
+    include_in_trace_context=True,
+)
+
+# The prefix of `statax.scope`s in force ("encoder/attn/"), also part of the trace context, so
+# that a function `jax.jit` traced in one scope is traced again in another.
+SCOPE = jax_config.string_or_object_state(
+    "statax_scope",
+    "",
+    "Internal to statax: the prefix of the statax.scope in force.",
+    include_in_trace_context=True,
+)
+
+
+# The `plant` in force (a `statax._plant.Planting`: which names take values in from outside,
+# and their hooks), or None; part of the trace context as the selection is.
+PLANTING = jax_config.string_or_object_state(
+    "statax_planting",
+    None,
+    "Internal to statax: the plant in force.",
+    include_in_trace_context=True,
+)
+
+
+# The selection of the `pull` tracing (`pull(fn, only=...)`), a predicate on StateMeta or None;
+# part of the trace context for the same reason as the scope.
+SELECTION = jax_config.string_or_object_state(
+    "statax_selection",
+    None,
+    "Internal to statax: the selection (pull's only=) in force.",
+    include_in_trace_context=True,
+)
+
+
+# The state a `stateful` traces with (a `statax._stateful.Given`: the names passed in and the
+# kinds of their values), or None outside one; part of the trace context, so that a function
+# `jax.jit` traced for one kind of state is traced again for another.
+STATEFUL = jax_config.string_or_object_state(
+    "statax_stateful",
+    None,
+    "Internal to statax: the state passed to the statax.stateful tracing.",
+    include_in_trace_context=True,
+)
+
+
+# Whether the `pull` tracing returns masks of the occurrences that ran (`pull(fn, ran=True)`):
+# then each mark it collects carries a boolean beside its value. Part of the trace context.
+RAN_MASKS = jax_config.bool_state(
+    "statax_ran_masks",
+    False,
+    "Internal to statax: true while statax.pull(fn, ran=True) traces a function.",
+    include_in_trace_context=True,
+)
+
+# Whether the `pull` tracing has inputs that are being differentiated (`jax.jvp(pull(f))`,
+# `jax.grad(pull(f))`): then the rules of custom derivatives run, and their marks are keys.
+# Part of the trace context, so that the trace made for one is not used for the other.
+DIFFERENTIATING = jax_config.bool_state(
+    "statax_differentiating",
+    False,
+    "Internal to statax: true while statax.pull traces a function whose inputs are differentiated.",
+    include_in_trace_context=True,
+)

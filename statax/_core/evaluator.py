@@ -1,0 +1,151 @@
+"""The one walk over a jaxpr: every driver of statax is a hook on it.
+
+A jaxpr is walked equation by equation, with an environment from its variables to values.
+There are two kinds of value, and so two ways to walk:
+
+* `evaluate`: the values are JAX values (tracers of the current trace, or arrays), and each
+  equation is *bound* again, inside its own traceback, name stack and `ctx`, as JAX's state
+  discharge does (`jax/_src/state/discharge.py`). Whatever the walk stages therefore looks as
+  if the user's code had made it: a named scope, a source line and a `jax.named_scope` survive
+  a second evaluation, so a selection sees through `stateful` as it sees through `pull`.
+* `rewrite`: the values are the jaxpr's own atoms (variables and literals), and each equation
+  is *copied*, possibly changed, into a new list of equations: no trace, no bind. An equation
+  whose inputs did not change is kept as it is.
+
+The hooks (`step`) are the drivers' own: `stateful` threads state through an equation,
+selections add a mark after one, `pull` and `plant` rewrite one through its handler. An
+equation a hook leaves alone is bound (`bind_equation`) or kept, as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.extend import core as jex
+from jax.extend import source_info_util as source_info_api
+
+from .._jax import jaxprs as _jaxprs
+
+__all__ = ["bind_equation", "evaluate", "in_context", "keep", "rewrite", "walk"]
+
+Step = Callable[[jex.JaxprEqn, list], Sequence[Any]]
+
+
+After = Callable[[int, jex.JaxprEqn, dict], None]
+
+
+def walk(
+    jaxpr: jex.Jaxpr,
+    inputs: Sequence[Any],
+    step: Step,
+    literal: Callable,
+    after: After | None = None,
+    free: bool = False,
+) -> list:
+    """Walk `jaxpr` (open): its constvars and invars take `inputs` (in that order), each
+    equation's outputs are `step(eqn, its inputs' values)`, and a literal's value is
+    `literal(lit)`. `after(i, eqn, env)`, where given, runs once the `i`th equation's outputs
+    are in `env` (variable -> value), and may change any value there (a selection marks the
+    values leaving a region). With `free`, a variable that nothing in `jaxpr` defines stands
+    for itself (a rewrite of equations staged in a trace, whose variables are the trace's).
+    Returns the values of `jaxpr`'s outputs."""
+    env = _Env(zip([*jaxpr.constvars, *jaxpr.invars], inputs, strict=True))
+    env.free = free
+
+    def read(x):
+        return literal(x) if isinstance(x, jex.Literal) else env[x]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        env.update(zip(eqn.outvars, step(eqn, [read(x) for x in eqn.invars]), strict=True))
+        if after is not None:
+            after(i, eqn, env)
+    return [read(x) for x in jaxpr.outvars]
+
+
+@contextlib.contextmanager
+def in_context(eqn: jex.JaxprEqn):
+    """The context an equation is bound again in: its traceback, its name stack below the
+    current one, and its `ctx` (as JAX's state discharge binds each equation)."""
+    source = eqn.source_info
+    name_stack = source_info_api.current_name_stack() + source.name_stack
+    with source_info_api.user_context(source.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def bind_equation(eqn: jex.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list:
+    """`eqn` bound on `invals` (with `params` in place of its own, where given): its outputs,
+    as a list."""
+    outs = _jaxprs.bind(eqn.primitive, invals, eqn.params if params is None else params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def evaluate(
+    jaxpr: jex.Jaxpr,
+    consts: Sequence,
+    args: Sequence,
+    step: Step | None = None,
+    after: After | None = None,
+) -> list:
+    """Evaluate `jaxpr` (open, closing over `consts`) on `args` in the current trace: each
+    equation is bound in its own context (`in_context`) by `step(eqn, invals)`, by default
+    `bind_equation`, and `after` is `walk`'s. Returns its outputs."""
+    step = bind_equation if step is None else step
+
+    def bound(eqn, invals):
+        with in_context(eqn):
+            return step(eqn, invals)
+
+    return walk(jaxpr, [*consts, *args], bound, _literal_value, after)
+
+
+def _literal_value(x: jex.Literal) -> Any:
+    return x.val
+
+
+Emit = Callable[[jex.JaxprEqn], None]
+
+
+def rewrite(
+    jaxpr: jex.Jaxpr,
+    step: Callable[[jex.JaxprEqn, list, Emit], Sequence],
+    after: Callable[[int, jex.JaxprEqn, dict, Emit], None] | None = None,
+):
+    """Rewrite `jaxpr` (open): `step(eqn, invars, emit)` emits the equations that take `eqn`'s
+    place (`emit(new_eqn)`, any number of them; `keep` emits `eqn` as it was) and returns the
+    atoms that stand for `eqn`'s outputs after it; `after(i, eqn, env, emit)` is `walk`'s, and
+    may emit too. Returns `(eqns, outvars)`: the equations emitted, and the atoms of `jaxpr`'s
+    outputs."""
+    eqns: list[jex.JaxprEqn] = []
+
+    def each(eqn, invars):
+        return step(eqn, invars, eqns.append)
+
+    then = None if after is None else lambda i, eqn, env: after(i, eqn, env, eqns.append)
+    outvars = walk(jaxpr, [*jaxpr.constvars, *jaxpr.invars], each, _same, then, free=True)
+    return eqns, outvars
+
+
+def keep(eqn: jex.JaxprEqn, invars: Sequence[Any], emit: Emit) -> list:
+    """In a `rewrite`'s step: emit `eqn` as it was (reading `invars`, where they changed), and
+    return its outputs."""
+    if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
+        eqn = eqn.replace(invars=list(invars))
+    emit(eqn)
+    return eqn.outvars
+
+
+def _same(x):
+    return x
+
+
+class _Env(dict):
+    """Variable -> value; with `free`, a variable not in it is its own value."""
+
+    free = False
+
+    def __missing__(self, var):
+        if self.free:
+            return var
+        raise KeyError(var)

@@ -1,0 +1,183 @@
+"""`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
+
+`pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
+output, and every value that a mark takes in from outside (a planted value, see `take`) comes
+from an extra input. It walks the equations once:
+
+* a `save_inter` equation is removed: its outputs are its operands, appended to the jaxpr's
+  outputs, described by the `StateMeta` in its params; or, for a mark that takes a value in,
+  new variables appended to the jaxpr's inputs;
+* an equation whose inner jaxprs hold no mark is kept as it is;
+* any other equation goes to the handler registered for its primitive. There is one rule
+  shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
+  by** the flat leaves of the values it takes in (`ins`) and computes the original outputs
+  **followed by** the flat leaves of the intermediates it exposes (`outs`), with their
+  `StateMeta`s in the same order. The walk appends those extra inputs and outputs to the
+  jaxpr's own. A primitive with no handler is an error that names it and says how to register
+  one.
+
+Handlers for loops and branches are written as *exposers* (`register_exposer`), a layer on this
+one contract: a function that runs the primitive with the marks taken out and binds them again
+outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+from jax.extend import core as jex
+
+from .._jax import jaxprs as _jaxprs
+from . import context as _context
+from .batching import _batching
+from .marks import _eqn_saves, find_saves, selecting
+from .meta import StateMeta
+from .primitive import COLLECTING, IDLE, INERT, INPUT, save_inter_p
+from .registry import Exposer, Handler, Rewrite, Rewritten, on_forget, register_handler
+from .rewrite import _without_save_effect, call_equation, pull_open_jaxpr
+
+__all__ = [
+    "Exposer",
+    "handler_from_exposer",
+    "inert",
+    "map_jaxprs",
+    "mark",
+    "register_exposer",
+    "split_leaves",
+    "take",
+]
+
+
+def handler_from_exposer(exposer: Exposer) -> Handler:
+    """A handler from an *exposer*, a function that runs the primitive on values.
+
+    `exposer(*args, **params)` binds the primitive with the marks taken out of its jaxprs, and
+    whatever else it needs, in the current trace; binds the intermediates again outside, with
+    `mark` (and takes the values planted inside from outside, with `take`); and returns the
+    primitive's outputs. The handler traces it at the equation's input types and walks the
+    result into one `closed_call` equation. The same exposer serves `vmap`
+    (`register_exposer`).
+    """
+
+    def handler(eqn: jex.JaxprEqn) -> Rewrite:
+        closed = _jaxprs.trace(
+            lambda *args: exposer(*args, **eqn.params),
+            [x.aval for x in eqn.invars],
+            name=str(eqn.primitive),
+        )
+        jaxpr, outs, ins = pull_open_jaxpr(closed.jaxpr)
+        return call_equation(eqn, Rewritten(jex.ClosedJaxpr(jaxpr, closed.consts), outs, ins))
+
+    return handler
+
+
+def register_exposer(primitive: jex.Primitive, exposer: Exposer, **declared) -> None:
+    """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
+    primitive is batched where it holds marks (see `handler_from_exposer`).
+
+    JAX batches a `cond`, `scan` or `while` as a whole, before `pull` sees it (a batched `cond`
+    even becomes a select over both branches). Where such a primitive holds marks, while a
+    `pull` traces, the exposer runs per example and is batched with JAX's own rules: the
+    primitive inside holds no marks any more, so it is batched by its own rule, and the marks
+    bound outside it by the mark's. Elsewhere JAX's rule runs untouched.
+
+    `declared` (`thread_state` and the flags) are `register_handler`'s.
+    """
+    register_handler(primitive, handler_from_exposer(exposer), **declared)
+    _batching(primitive).exposer = exposer
+
+
+def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
+    """Bind the intermediates `metas` describe (flat `leaves`) again, as marks: in an exposer,
+    outside the primitive it took them out of."""
+    for meta, part in zip(metas, split_leaves(leaves, metas), strict=True):
+        save_inter_p.bind(*part, meta=meta, status=COLLECTING)
+
+
+def take(metas: Sequence[StateMeta], avals: Sequence) -> list:
+    """Values fed in from outside (flat leaves of `avals`, described by `metas`): in an exposer,
+    what the primitive's rewritten jaxprs take in; in a planted mark, its replacement. The
+    inverse of `mark`: each binds a placeholder mark that the walk turns into an input."""
+    leaves: list = []
+    for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
+        zeros = [jnp.zeros(a.shape, a.dtype) for a in part]
+        leaves.extend(save_inter_p.bind(*zeros, meta=meta, status=INPUT))
+    return leaves
+
+
+def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]:
+    """Flat intermediate leaves, cut into one sequence per meta."""
+    out, start = [], 0
+    for meta in metas:
+        out.append(leaves[start : start + meta.num_arrays])
+        start += meta.num_arrays
+    return out
+
+
+_INERT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+on_forget(_INERT.clear)  # a new handler may find marks the old ones did not
+
+
+def inert(jaxpr, which: Callable[[StateMeta], bool] | None = None):
+    """`jaxpr` (open or closed) with every mark, at any depth, made inert (never collected); or,
+    with `which`, the marks whose meta it accepts.
+
+    For handlers that bind an equation as it was, to delegate to its own rules (custom
+    derivatives, linear solves, see `pulled_with_rule`): its marks must not be collected again
+    by an enclosing `pull`.
+    """
+    if _jaxprs.wraps_jaxpr(jaxpr):
+        new = inert(jaxpr.jaxpr, which)
+        return jaxpr if new is jaxpr.jaxpr else jex.ClosedJaxpr(new, jaxpr.consts)
+    with selecting(None):  # every mark, selected or not
+        if not find_saves(jaxpr):
+            return jaxpr
+        if which is not None:
+            return _inert(jaxpr, which)
+        cached = _INERT.get(jaxpr)
+        if cached is None:
+            cached = _INERT[jaxpr] = _inert(jaxpr, None)
+        return cached
+
+
+def _inert(jaxpr, which):
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is save_inter_p:
+            if which is None or which(eqn.params["meta"]):
+                if eqn.params["status"] == IDLE:  # it only reads: inert, it does nothing
+                    continue
+                eqn = eqn.replace(params=dict(eqn.params, status=INERT))
+        elif _eqn_saves(eqn):
+            eqn = eqn.replace(params=map_jaxprs(eqn.params, lambda j: inert(j, which)))
+        if not _still_collects(eqn):
+            eqn = eqn.replace(effects=_without_save_effect(eqn.effects))
+        eqns.append(eqn)
+    effects = jaxpr.effects
+    if not any(_context.SAVE_EFFECT in eqn.effects for eqn in eqns):
+        effects = _without_save_effect(effects)
+    return jaxpr.replace(eqns=eqns, effects=effects)
+
+
+def _still_collects(eqn) -> bool:
+    """Whether a mark in `eqn` still carries the effect of one a `pull` collects."""
+    if eqn.primitive is save_inter_p:
+        return eqn.params["status"] == COLLECTING
+    return any(_context.SAVE_EFFECT in sub.effects for sub in _jaxprs.jaxprs_in_params(eqn.params))
+
+
+def map_jaxprs(eqn_params: dict, fn: Callable) -> dict:
+    """An equation's params with `fn` applied to every jaxpr in them (alone, or in a tuple or
+    named tuple of them)."""
+    return {key: _map_jaxprs(value, fn) for key, value in eqn_params.items()}
+
+
+def _map_jaxprs(value, fn):
+    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
+        return fn(value)
+    if isinstance(value, tuple) and any(isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) for v in value):
+        items = [_map_jaxprs(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value

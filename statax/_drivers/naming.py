@@ -1,0 +1,183 @@
+"""`pull`: trace, rewrite with `pull_jaxpr`, cache, evaluate, and name the intermediates."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._core import reduce as _reduce
+from .._core.errors import KeyCollisionError, SelectionError
+from .._core.meta import ARRAY, StateMeta, keys_of
+from .._select import report as _report
+
+
+def _check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
+    """Raise where `only=` selects nothing, or names a mark the program does not have
+    (`everything()`: the program's entry with every mark collected, for the message)."""
+    names = {m.name for m in metas}
+    if isinstance(only, _Names):
+        missing = sorted(only.names - names)
+    elif isinstance(only, _Pattern):  # a pattern that matches nothing: a typo, as a name is
+        missing = [] if names else [only]
+    else:  # a predicate is a filter: one that lets nothing through selects nothing, quietly
+        missing = []
+    if not missing:
+        return
+    there = sorted({m.name for m in everything().metas})
+    shown = repr(missing[0].pattern.pattern if isinstance(missing[0], _Pattern) else missing[0])
+    hint = ""
+    if isinstance(missing[0], str) and re.fullmatch(r".+_\d+", missing[0]):
+        base = missing[0].rsplit("_", 1)[0]
+        if base in there:
+            hint = (
+                f" {missing[0]!r} is a key: only= takes names, as save_inter was given them "
+                f"({base!r})."
+            )
+    listed = _report.closest(str(missing[0]), there) if there else "none"
+    raise SelectionError(
+        f"stx.pull(fn, only=...): {shown} selects no mark of the program.{hint} The marks there, "
+        f"closest first: {listed}."
+    )
+
+
+class Key(str):
+    """A key of the dict `pull` returns: the string `f"{name}_{n}"` (or the name of a reduced
+    entry), which also knows where its value was saved, `key.location` (`"file.py:line"`), and
+    its `save_inter`'s `reduce` mode (`key.reduce`, `None` for one occurrence). It travels with
+    the result: through `dict(inters)`, `summarize=`, and JAX transformations."""
+
+    location: str
+    reduce: str | None
+
+    def __new__(cls, key: str, location: str, reduce: str | None = None) -> Key:
+        self = super().__new__(cls, key)
+        self.location = location
+        self.reduce = reduce
+        return self
+
+    def __reduce__(self):
+        return (Key, (str(self), self.location, self.reduce))
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(name: str, location: str, reduce: str | None) -> Key:
+    """The `Key` (made once: keys are immutable)."""
+    return Key(name, location, reduce)
+
+
+def origins(inters: dict) -> dict[str, str]:
+    """`{key: "file:line"}` for the keys of `inters` that `pull` made."""
+    return {key: key.location for key in inters if isinstance(key, Key)}
+
+
+def unflatten_out(entry, arrays: Sequence) -> Any:
+    """The output from its flat arrays (`entry` has `out_static` and `out_treedef`)."""
+    it = iter(arrays)
+    leaves = [next(it) if s is None else s[0] for s in entry.out_static]
+    return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
+
+
+def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) -> dict:
+    """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
+    reduced name is one entry, keyed by the name itself. With `ran`, a `"stack"` or
+    `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran. The keys are
+    worked out once per entry (`plans`)."""
+    plan = plans.get(ran)
+    if plan is None:
+        plan = plans[ran] = _plan(metas, ran)
+    inters: dict[str, Any] = {}
+    for key, meta, start, stop, kind in plan:
+        if kind == "array":
+            inters[key] = flat[start]
+            continue
+        leaves = flat[start:stop]
+        if kind == "value":
+            inters[key] = meta.unflatten(leaves)
+        elif kind == "flagged":  # the value, its mask last
+            inters[key] = meta.unflatten(leaves[:-1])
+        elif kind == "flag":
+            inters[key] = leaves[-1]
+        elif kind == "final":
+            inters[key] = meta.unflatten(_reduce.finalize(meta, leaves))
+        else:
+            inters[key] = meta.unflatten(_reduce.ran(meta, leaves))
+    return inters
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(metas: tuple[StateMeta, ...]) -> dict:
+    """The `plans` of `_name` for `metas`, kept for the next trace of the same marks."""
+    return {}
+
+
+def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
+    """`[(Key, meta, start, stop, kind)]`: where each entry of the result comes from, and how
+    it is made from its leaves (`kind`: "array", "value", "final" or "ran")."""
+    sites: dict[str, StateMeta] = {}
+    plan = []
+    start = 0
+    for key, meta in zip(keys_of(metas), metas, strict=True):
+        stop = start + meta.num_arrays
+        kind = "value" if meta.reduce is None else "final"
+        if (
+            kind == "value"
+            and meta.static_leaves == (ARRAY,)
+            and jax.tree_util.treedef_is_leaf(meta.treedef)
+            and not meta.flagged
+        ):
+            kind = "array"  # the value is its one array
+        entries = [(key, "flagged" if meta.flagged else kind)]
+        if meta.flagged:
+            entries.append((key + ".ran", "flag"))
+        if ran and meta.reduce is not None and _reduce.stacked(meta):
+            entries.append((meta.name + ".ran", "ran"))
+        for name, kind in entries:
+            if name in sites:
+                raise KeyCollisionError(name, sites[name], meta)
+            sites[name] = meta
+            plan.append((_key(name, meta.location, meta.reduce), meta, start, stop, kind))
+        start = stop
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    names: frozenset
+
+    def __call__(self, meta: StateMeta) -> bool:
+        return meta.name in self.names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pattern:
+    pattern: re.Pattern
+
+    def __call__(self, meta: StateMeta) -> bool:
+        return self.pattern.fullmatch(meta.name) is not None
+
+
+def _selection(only: Any) -> Callable[[StateMeta], bool] | None:
+    """`only` as a hashable predicate on StateMeta (None: everything)."""
+    if only is None:
+        return None
+    if isinstance(only, str):
+        return _Names(frozenset([only]))
+    if isinstance(only, re.Pattern):
+        return _Pattern(only)
+    if callable(only):
+        return only
+    try:
+        names = frozenset(only)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"stx.pull(fn, only=...) takes a name, a collection of names, a compiled regular "
+            f"expression or a predicate on StateMeta; got {only!r}."
+        )
+    return _Names(names)

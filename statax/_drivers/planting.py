@@ -1,0 +1,215 @@
+"""`plant`: put values into marked places; `grad_inters`: gradients with respect to them.
+
+A planted mark is decided where it is bound, as `only=` is: while `plant(fn)` traces, a
+`save_inter` whose name is planted takes a *choice* and a replacement from outside (with
+`take`, so every handler threads them in as it threads intermediates out) and becomes
+
+    select_n(choice, value, replacement, value + replacement, hook_0(value), ...)
+
+The choice of each occurrence (keep, replace, add, or the j-th hook) is a constant of the
+program `plant` runs, so the compiler keeps one case and drops the others, and with them any
+work that only fed the replaced value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.errors import PlantError
+from .._core.meta import ARRAY, StateMeta, keys_of, kind_str, kinds_str, unwrap
+from .._core.primitive import INPUT, save_inter_p
+
+__all__ = ["Add", "Planting", "feed"]
+
+KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
+_OCCURRENCE = re.compile(r"(.*)_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """A perturbation added to a marked value (what `grad_inters` differentiates)."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Planting:
+    """The plant in force (`_context.PLANTING`): the names that take values in, and the hooks of
+    each (compared by identity). Hashable: part of JAX's trace context."""
+
+    names: frozenset
+    hooks: tuple  # ((name, (hook, ...)), ...), sorted by name
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Planting:
+        """For `plant`'s `values`: a key `"h_2"` may be occurrence 2 of `h` or a name of its
+        own; both are planted, and the keys the walk finds decide."""
+        names, hooks = set(), {}
+        for key, spec in values.items():
+            if not isinstance(key, str):
+                raise PlantError(f"stx.plant: keys are strings as pull returns them, got {key!r}")
+            candidates = {key}
+            match = _OCCURRENCE.fullmatch(key)
+            if match:
+                candidates.add(match.group(1))
+            names |= candidates
+            if callable(spec):
+                for name in candidates:
+                    hooks.setdefault(name, [])
+                    if spec not in hooks[name]:
+                        hooks[name].append(spec)
+        return cls(frozenset(names), tuple(sorted((n, tuple(h)) for n, h in hooks.items())))
+
+    def hooks_of(self, name: str) -> tuple:
+        return dict(self.hooks).get(name, ())
+
+    def plant(self, meta: StateMeta, arrays: list, value: Any) -> list:
+        """A marked value as planted: its arrays chosen among the cases (see the module)."""
+        if meta.reduce is not None:
+            raise PlantError(
+                f"save_inter {meta.name!r} at {meta.location} has reduce={meta.reduce!r}: its "
+                "occurrences combine into one entry, so no one of them can be planted. To fix: "
+                "plant a name saved without reduce=."
+            )
+        hooked = [_hooked(meta, hook, value, arrays) for hook in self.hooks_of(meta.name)]
+        # The placeholder reads the marked arrays (behind stop_gradient: what comes in is a
+        # constant to derivatives), so that it stays where the mark is: a placeholder of
+        # constants alone would be hoisted out of a loop body as loop-invariant.
+        operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
+        choice, *replacement = save_inter_p.bind(
+            *map(jax.lax.stop_gradient, operands), meta=in_meta(meta), status=INPUT
+        )
+        out = []
+        for i, (x, r) in enumerate(zip(arrays, replacement, strict=True)):
+            added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
+            out.append(jax.lax.select_n(choice, x, r, added, *(h[i] for h in hooked)))
+        return out
+
+
+def in_meta(meta: StateMeta) -> StateMeta:
+    """What a planted mark takes in: its choice, then a replacement of the value's structure."""
+    treedef = jax.tree_util.treedef_tuple((jax.tree_util.tree_structure(0), meta.treedef))
+    return dataclasses.replace(meta, treedef=treedef, static_leaves=(ARRAY, *meta.static_leaves))
+
+
+def _hooked(meta, hook, value, arrays) -> list:
+    new = hook(value)
+    leaves, treedef = jax.tree_util.tree_flatten(new)
+    got = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    want = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in arrays]
+    if treedef != meta.treedef or got != want:
+        raise PlantError(
+            f"stx.plant: the hook {hook!r} for {meta.name!r} (save_inter at {meta.location}) "
+            f"returned {kinds_str(got)} of structure {treedef}; the marked value is "
+            f"{kinds_str(want)} of structure {meta.treedef}. A hook must return a value of the "
+            "same shape, dtype and structure."
+        )
+    return leaves
+
+
+def feed(
+    ins: tuple[StateMeta, ...],
+    avals: list,
+    values: Mapping[str, Any],
+    planting: Planting,
+    outs: tuple[StateMeta, ...],
+) -> list:
+    """The flat values a rewritten jaxpr takes in, for `plant`'s `values`: per planted
+    occurrence, its choice (a constant) and its replacement. `outs` (the marks `pull` finds)
+    name the marks there are, for an unknown key's error."""
+    keys = keys_of(ins)
+    known = dict(zip(keys, ins, strict=True))
+    names = {meta.name for meta in ins}
+    for key in values:
+        if key not in known and key not in names:
+            sites = "\n".join(
+                f"  {k}: {m.location}"
+                + ("" if m.reduce is None else f" (reduce={m.reduce!r}: not plantable)")
+                for k, m in zip(keys_of(outs), outs, strict=True)
+            )
+            raise PlantError(
+                f"stx.plant: no marked value {key!r}. The marks it can plant are:\n"
+                f'{sites or "  (none)"}\nUse a key as pull returns it ("h_2": the third '
+                '"h"), or a name for every occurrence ("h").'
+            )
+    out = []
+    start = 0
+    for key, meta in zip(keys, ins, strict=True):
+        leaf_avals = avals[start : start + meta.num_arrays]
+        start += meta.num_arrays
+        choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
+        spec = values[key] if key in values else values.get(meta.name)
+        code, replacement = KEEP, None
+        if isinstance(spec, Add):
+            code, replacement = ADD, spec.value
+        elif callable(spec):
+            code = HOOK + planting.hooks_of(meta.name).index(spec)
+        elif spec is not None:
+            code, replacement = REPLACE, spec
+        out.append(np.full(choice_aval.shape, code, np.int32))
+        out.extend(_replacement(key, meta, replacement, value_avals))
+    return out
+
+
+def _array_leaves(key, meta, leaves: list, static: tuple) -> list:
+    """The leaves of a replacement where the marked value has arrays. Its other leaves (a
+    string, `None`) are not planted: they must be what the mark holds, as `pull` returns it."""
+    out = []
+    for x, s in zip(leaves, static, strict=True):
+        if s is ARRAY:
+            out.append(x)
+        elif not (x is s or x is unwrap(s) or _same(x, unwrap(s))):
+            raise PlantError(
+                f"stx.plant: the replacement for {key!r} (save_inter at {meta.location}) has "
+                f"{x!r} where the marked value has {unwrap(s)!r}, which is not an array and "
+                "cannot be planted. Pass the value pull returned there."
+            )
+    return out
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an array, an unusual __eq__: not the same
+        return False
+
+
+def _replacement(key, meta, replacement, avals) -> list:
+    if replacement is None:
+        return [np.zeros(a.shape, a.dtype) for a in avals]
+    value_treedef = meta.treedef.children()[1]
+    leaves, treedef = jax.tree_util.tree_flatten(replacement)
+    if treedef != value_treedef:
+        raise PlantError(
+            f"stx.plant: the replacement for {key!r} (save_inter at {meta.location}) has "
+            f"structure {treedef}; the marked value has {value_treedef}."
+        )
+    out = []
+    static = meta.static_leaves[1:]  # the value's (after the choice)
+    leaves = _array_leaves(key, meta, leaves, static)
+    for x, aval in zip(leaves, avals, strict=True):
+        x = jnp.asarray(x) if not isinstance(x, (int, float, complex)) else x
+        shape = jnp.shape(x)
+        unbatched = aval.shape[meta.batch_ndim :]
+        dtype_ok = isinstance(x, (int, float, complex)) or x.dtype == aval.dtype
+        if not dtype_ok or shape not in (aval.shape, unbatched):
+            raise PlantError(
+                f"stx.plant: the replacement for {key!r} (save_inter at {meta.location}) is "
+                f"({kind_str(shape, jnp.result_type(x))}); expected "
+                f"({kind_str(aval.shape, aval.dtype)})"
+                + (
+                    f" (or ({kind_str(unbatched, aval.dtype)}), broadcast over the batch)"
+                    if meta.batch_ndim
+                    else ""
+                )
+                + "."
+            )
+        out.append(jnp.broadcast_to(jnp.asarray(x, aval.dtype), aval.shape))
+    return out

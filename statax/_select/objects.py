@@ -1,0 +1,259 @@
+"""Selections: marks where none were written, for a model nobody edited.
+
+`pull(fn, at=...)`, `plant(fn, at=...)` and `grad_inters(fn, at=...)` take selections, which
+make `save_inter`s at the places they select; from there on those are marks like any other.
+
+Two kinds, by how they find their places:
+
+* **Objects** (`modules`): submodules of an equinox or Flax NNX model (or any callable object
+  in one), by attribute path. For the call, each selected object's class is swapped for a
+  subclass whose `__call__` marks the output (and inputs) and calls the original; the class is
+  put back when the call returns. The mark is made where the submodule runs, in whatever trace
+  is there (inside a `vmap`, a `scan`, a derivative), so it behaves exactly as a
+  `save_inter` written at the end of its `__call__`.
+* **Places in the program** (`scopes`, `primitives`, `lines`): the function is traced to a
+  jaxpr (its own marks as they would be), the equations are matched, and the jaxpr is then
+  evaluated into the trace `pull` is making, with a `save_inter` after each selected place.
+  Inside `jit`, `scan`, `while_loop`, `cond`, `jax.checkpoint` and custom derivatives the inner
+  jaxpr is evaluated the same way, so a selection there behaves as a mark written there.
+  A scope or a line is a region: the values made inside it and read after it (or returned)
+  leave it, and are marked, together, where its last equation is. A transformation applied
+  inside the function (`vmap`, `jvp`, `grad`), around the selected place, has already been
+  applied to the jaxpr: the value there is no longer one a mark written at that place would
+  see (its batch axis may be anywhere, a tangent stands beside a primal), so that is an error
+  that says to apply the transformation outside, or to select by module.
+
+A selection that matches nothing is an error listing what there is, closest first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .._core.errors import SelectionError
+from .._core.meta import StateMeta
+from .._core.primitive import save_inter
+from .report import closest
+from .vocabulary import Modules, Selection, _describe
+
+__all__ = ["calls_checked", "objects_marked"]
+
+
+# ---- objects ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
+    """Within, the objects that the module selections of `at` select mark their calls. With
+    no `call`, those of `of=` models (before `pull` flattens its arguments, so that what it
+    rebuilds is of the marking class); with `call`, `(fn, tree, args, kwargs)`, those of the
+    model found there (`_roots`), for selections without `of=`."""
+    targets: dict[int, tuple[Any, str, Modules]] = {}
+    for selection in at:
+        if not isinstance(selection, Modules) or (selection.of is None) == (call is None):
+            continue
+        roots = [selection.of] if call is None else _roots(*call)
+        for path in selection.paths:
+            for name, obj in _resolve_in(roots, path):
+                targets.setdefault(id(obj), (obj, name, selection))
+    swapped = []
+    try:
+        for obj, name, selection in targets.values():
+            cls = type(obj)
+            if getattr(cls, "_statax_marks", None) is None:
+                marking = _marking(cls, name, selection.inputs, selection.reduce)
+                object.__setattr__(obj, "__class__", marking)
+                swapped.append((obj, cls))
+        yield [name for _, name, _ in targets.values()]
+    finally:
+        for obj, cls in swapped:
+            object.__setattr__(obj, "__class__", cls)
+
+
+# The names of the selected objects called while a function is traced (`_with_modules`), and
+# those of the ones it did not call, for `pull` to check against the marks it found
+# (`calls_checked`).
+_CALLED: contextvars.ContextVar[set | None] = contextvars.ContextVar("statax_called", default=None)
+_UNCALLED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "statax_uncalled", default=None
+)
+
+
+@contextlib.contextmanager
+def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
+    """Around a `pull`'s trace: once it is done, raise where a selected submodule was not
+    called and has no mark among `metas()` either. (A `jit` whose cached trace already holds
+    the submodule's marks does not call it again, and is no error; one that closes over the
+    model and traced it before the selection is.) With `only=`, whose selection no mark of a
+    name is known to pass, nothing is checked."""
+    uncalled: list = []
+    token = _UNCALLED.set(uncalled)
+    try:
+        yield
+    finally:
+        _UNCALLED.reset(token)
+    if not uncalled or only is not None:
+        return
+    names = {m.name for m in metas()}
+    missing = [(name, chosen) for name, chosen in uncalled if name not in names]
+    if missing:
+        name, chosen = missing[0]
+        raise SelectionError(
+            f"{_describe(chosen)} selects {name!r}, which the function did not call while pull "
+            "traced it, and whose marks are not in what it traced. If it is called from code "
+            "that was traced before (a jax.jit of a function that closes over the model), pass "
+            "the model to that function as an argument, or select a submodule that runs."
+        )
+
+
+def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
+    called: set = set()
+    token = _CALLED.set(called)
+    try:
+        with (
+            objects_marked(chosen) as given,
+            objects_marked(chosen, (fn, tree, args, kwargs)) as found,
+        ):
+            out = call(tree, *args, **kwargs)
+    finally:
+        _CALLED.reset(token)
+    uncalled = _UNCALLED.get()
+    if uncalled is not None:  # (always, inside a `pull`: see `calls_checked`)
+        uncalled.extend((name, chosen) for name in (*given, *found) if name not in called)
+    return out
+
+
+def _is_module(x) -> bool:
+    """Whether `x` is an `eqx.Module` or a Flax NNX module (not one of its variables)."""
+    if isinstance(x, eqx.Module):
+        return True
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _roots(fn, tree, args, kwargs) -> list:
+    """The models paths may start from: the callable where it is a module (or a method of
+    one, or wraps one, as `jax.vmap(model)` does), then the arguments that are."""
+    wrapped = []
+    while fn is not None and len(wrapped) < 8:
+        wrapped.append(fn)
+        fn = getattr(fn, "__self__", None) or getattr(fn, "__wrapped__", None)
+    roots = [c for c in (tree, *wrapped, *args, *kwargs.values()) if _is_module(c)]
+    if roots:
+        return list({id(r): r for r in roots}.values())
+    raise SelectionError(
+        "stx.modules found no model to start its paths from: neither the function nor any of "
+        "its arguments is an eqx.Module or a Flax NNX module. Pass the model as `of=`: "
+        "stx.modules('blocks[0]', of=model)."
+    )
+
+
+def _resolve_in(roots: list, path) -> list[tuple[str, Any]]:
+    """`_resolve` in the first of `roots` where `path` is found (a `filter_jit` wrapper is a
+    module too, but not the model); where it is in none, the last one's error."""
+    for i, root in enumerate(roots):
+        try:
+            return _resolve(root, path)
+        except SelectionError:
+            if i == len(roots) - 1:
+                raise
+    return []
+
+
+_TOKEN = re.compile(r"\[([^\]]*)\]|([^.\[\]/]+)")
+
+
+def _resolve(root, path) -> list[tuple[str, Any]]:
+    """`[(name, object)]` that `path` selects in `root`."""
+    if callable(path) and not isinstance(path, str):
+        found = path(root)
+        objs = found if isinstance(found, (list, tuple)) else [found]
+        return [(_path_of(root, obj), obj) for obj in objs]
+    found = [("", root)]
+    for match in _TOKEN.finditer(path):
+        step = match[1] if match[1] is not None else match[2]
+        found = [item for name, obj in found for item in _step(name, obj, step, path)]
+    return found
+
+
+def _children(obj) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)) or (hasattr(obj, "__len__") and hasattr(obj, "__getitem__")):
+        try:
+            return [(f"[{i}]", obj[i]) for i in range(len(obj))]
+        except (TypeError, KeyError):
+            pass
+    fields = getattr(obj, "__dict__", {})
+    return [(f".{k}", v) for k, v in fields.items() if not k.startswith("_")]
+
+
+def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any]]:
+    children = _children(obj)
+    if step == "*":
+        return [(_join(name, c), v) for c, v in children if not c.startswith(".")]
+    for child, value in children:
+        if child in (f".{step}", f"[{step}]", f"['{step}']"):
+            return [(_join(name, child), value)]
+    if not isinstance(obj, (dict, list, tuple)) and hasattr(obj, step):  # a property, a field
+        return [(_join(name, f".{step}"), getattr(obj, step))]
+    options = [_join(name, c) for c, _ in children]
+    raise SelectionError(
+        f"stx.modules({path!r}): {type(obj).__name__} at {name or 'the model'!r} has no "
+        f"{step!r}. There is: {closest(_join(name, '.' + step), options)}."
+    )
+
+
+def _join(name: str, child: str) -> str:
+    return (name + child).lstrip(".")
+
+
+def _path_of(root, target) -> str:
+    """The path of `target` in `root` (for a `where` function's result), breadth first."""
+    seen, queue = {id(root)}, [("", root)]
+    while queue:
+        name, obj = queue.pop(0)
+        if obj is target:
+            return name or "model"
+        for child, value in _children(obj):
+            if id(value) not in seen and not isinstance(value, (str, int, float, jax.Array)):
+                seen.add(id(value))
+                queue.append((_join(name, child), value))
+    raise SelectionError(
+        f"stx.modules: the object the function returned ({type(target).__name__}) is not "
+        f"found in the model ({type(root).__name__})."
+    )
+
+
+@functools.cache
+def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
+    """`cls` with a `__call__` that marks its output (and, with `inputs`, its inputs) as
+    `name`. (Made once per class and name, and keyed by nothing else: a selection's `of=`
+    model is not kept alive by it.)"""
+    original = cls.__call__
+
+    def __call__(self, *args, **kwargs):  # noqa: N807
+        called = _CALLED.get()
+        if called is not None:
+            called.add(name)
+        if inputs and kwargs:  # (the inputs are marked as the call has them)
+            args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
+        elif inputs and len(args) == 1:
+            args = (save_inter(args[0], name=f"{name}.in", reduce=reduce),)
+        elif inputs:
+            args = save_inter(args, name=f"{name}.in", reduce=reduce)
+        return save_inter(original(self, *args, **kwargs), name=name, reduce=reduce)
+
+    namespace = {"__call__": __call__, "__module__": cls.__module__, "_statax_marks": name}
+    sub = type(cls)(cls.__name__, (cls,), namespace)
+    sub.__qualname__ = cls.__qualname__
+    return sub

@@ -1,0 +1,214 @@
+"""Selections: marks where none were written, for a model nobody edited.
+
+`pull(fn, at=...)`, `plant(fn, at=...)` and `grad_inters(fn, at=...)` take selections, which
+make `save_inter`s at the places they select; from there on those are marks like any other.
+
+Two kinds, by how they find their places:
+
+* **Objects** (`modules`): submodules of an equinox or Flax NNX model (or any callable object
+  in one), by attribute path. For the call, each selected object's class is swapped for a
+  subclass whose `__call__` marks the output (and inputs) and calls the original; the class is
+  put back when the call returns. The mark is made where the submodule runs, in whatever trace
+  is there (inside a `vmap`, a `scan`, a derivative), so it behaves exactly as a
+  `save_inter` written at the end of its `__call__`.
+* **Places in the program** (`scopes`, `primitives`, `lines`): the function is traced to a
+  jaxpr (its own marks as they would be), the equations are matched, and the jaxpr is then
+  evaluated into the trace `pull` is making, with a `save_inter` after each selected place.
+  Inside `jit`, `scan`, `while_loop`, `cond`, `jax.checkpoint` and custom derivatives the inner
+  jaxpr is evaluated the same way, so a selection there behaves as a mark written there.
+  A scope or a line is a region: the values made inside it and read after it (or returned)
+  leave it, and are marked, together, where its last equation is. A transformation applied
+  inside the function (`vmap`, `jvp`, `grad`), around the selected place, has already been
+  applied to the jaxpr: the value there is no longer one a mark written at that place would
+  see (its batch axis may be anywhere, a tangent stands beside a primal), so that is an error
+  that says to apply the transformation outside, or to select by module.
+
+A selection that matches nothing is an error listing what there is, closest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .where import _same_file, _scope_region
+
+__all__ = ["Selection", "lines", "modules", "primitives", "scopes", "selections"]
+
+
+class Selection:
+    """What `at=` takes (a list of them too): made by `stx.scopes`, `stx.modules`,
+    `stx.primitives` and `stx.lines`."""
+
+    reduce: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scopes(Selection):
+    patterns: tuple[str, ...]
+    reduce: str | None = None
+    marked: frozenset[str] = frozenset()  # scopes marked as they ran (Flax Linen modules)
+
+    def region(self, stack: tuple) -> tuple[str, bool] | None:
+        """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements)
+        that one of the patterns matches, and whether a transformation encloses it; `None`
+        also for one marked already."""
+        region = _scope_region(self.patterns, stack)
+        return None if region is None or region[0] in self.marked else region
+
+    def __str__(self) -> str:
+        return f"stx.scopes({', '.join(map(repr, self.patterns))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lines(Selection):
+    places: tuple[tuple[str, int], ...]
+    reduce: str | None = None
+
+    def region(self, eqn) -> str | None:
+        """The place (`"file.py:42"`) whose line was running when `eqn` was traced."""
+        traceback = eqn.source_info.traceback
+        if traceback is None:
+            return None
+        frames = [(f.file_name, f.line_num) for f in traceback.frames]
+        for file, line in self.places:
+            if any(n == line and _same_file(f, file) for f, n in frames):
+                return f"{file}:{line}"
+        return None
+
+    def __str__(self) -> str:
+        return f"stx.lines({', '.join(repr(f'{f}:{n}') for f, n in self.places)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Primitives(Selection):
+    names: frozenset[str]
+    reduce: str | None = None
+
+    def __str__(self) -> str:
+        return f"stx.primitives({', '.join(map(repr, sorted(self.names)))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Modules(Selection):
+    paths: tuple  # strings, or functions of the root (as `eqx.tree_at`'s `where`)
+    inputs: bool = False
+    reduce: str | None = None
+    of: Any = dataclasses.field(default=None, compare=False, hash=False)
+    of_id: int | None = None
+
+    def __str__(self) -> str:
+        shown = [p if isinstance(p, str) else getattr(p, "__name__", "where") for p in self.paths]
+        return f"stx.modules({', '.join(map(repr, shown))})"
+
+
+def scopes(*patterns: str, reduce: str | None = None) -> Selection:
+    """Select the values that leave a named scope: a Flax Linen module's path
+    (`"Model/Block_0"`), an equinox layer's (`"eqx.nn.Linear"`), or any `jax.named_scope`.
+
+    A value leaves a scope where it is made inside it and read after it, or returned: a
+    module's output, seen in the program. Each call of a scope is one occurrence, its values
+    together (a tuple where there are several), keyed by the scope's path
+    (`"Model/Block_0_0"`).
+
+    Args:
+        *patterns: scope paths from the outermost, `/`-separated; `*` matches within one name
+            (`"Model/Block_*"`: every block), `**`-free `fnmatch` patterns.
+        reduce: as `save_inter`'s.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, statax as stx
+        >>> def f(x):
+        ...     with jax.named_scope("block"):
+        ...         h = jnp.sin(x) * 2
+        ...     return h + 1
+        >>> stx.pull(f, at=stx.scopes("block"))(jnp.float32(0.5))[1]
+        {'block_0': Array(0.9588511, dtype=float32)}
+    """
+    return Scopes(_strings(patterns, "stx.scopes"), reduce)
+
+
+def primitives(*names: str, reduce: str | None = None) -> Selection:
+    """Select the outputs of every equation of these primitives (`"dot_general"`,
+    `"conv_general_dilated"`), keyed by the primitive's name.
+
+    Examples:
+        >>> import jax.numpy as jnp, statax as stx
+        >>> f = lambda w, x: jnp.tanh(x @ w)
+        >>> stx.pull(f, at=stx.primitives("dot_general"))(2 * jnp.eye(2), jnp.ones(2))[1]
+        {'dot_general_0': Array([2., 2.], dtype=float32)}
+    """
+    return Primitives(frozenset(_strings(names, "stx.primitives")), reduce)
+
+
+def lines(*places: str, reduce: str | None = None) -> Selection:
+    """Select the values that the computation at a source line makes and that are read after
+    it: `"model.py:42"` (the end of the file's path, and its line). Keyed by the place."""
+    parsed = []
+    for place in _strings(places, "stx.lines"):
+        match = re.fullmatch(r"(.+):(\d+)", place)
+        if match is None:
+            raise TypeError(f"stx.lines takes 'file.py:42' places; got {place!r}.")
+        parsed.append((match[1], int(match[2])))
+    return Lines(tuple(parsed), reduce)
+
+
+def modules(
+    *paths: str | Callable, inputs: bool = False, of: Any = None, reduce: str | None = None
+) -> Selection:
+    """Select the outputs (and, with `inputs=True`, the inputs) of submodules' calls.
+
+    Args:
+        *paths: a path from the model (`"blocks[0].attn"`, `"blocks.0.attn"` and
+            `"blocks/0/attn"` alike; `*` for every item of a list or dict: `"blocks[*]"`), or a
+            function of the model returning the submodule (`lambda m: m.blocks[0].attn`, as
+            `eqx.tree_at`'s `where`).
+        inputs: also mark the arguments of each call, keyed `f"{path}.in"`: the argument
+            where there is one, the tuple of positional arguments where there are several,
+            `(args, kwargs)` where there are keyword arguments.
+        of: the model the paths start from. By default the callable itself where it is a
+            module (or a method of one), else the first argument that is an `eqx.Module` or a
+            Flax NNX module.
+        reduce: as `save_inter`'s.
+
+    Keys are the paths (`"blocks[0].attn_0"`): one occurrence per call of the submodule, stacked
+    where it runs in a `scan`, batched where it runs in a `vmap`.
+
+    Examples:
+        >>> import equinox as eqx, jax, statax as stx
+        >>> mlp = eqx.nn.MLP(2, 1, width_size=3, depth=1, key=jax.random.PRNGKey(0))
+        >>> _, inters = stx.pull(mlp, at=stx.modules("layers[*]"))(jax.numpy.ones(2))
+        >>> {key: value.shape for key, value in inters.items()}
+        {'layers[0]_0': (3,), 'layers[1]_0': (1,)}
+    """
+    for path in paths:
+        if not (isinstance(path, str) or callable(path)):
+            raise TypeError(f"stx.modules takes paths (strings) or functions; got {path!r}.")
+    if not paths:
+        raise TypeError("stx.modules needs at least one path.")
+    return Modules(tuple(paths), bool(inputs), reduce, of, None if of is None else id(of))
+
+
+def _strings(values: Sequence, what: str) -> tuple[str, ...]:
+    if not values or not all(isinstance(v, str) and v for v in values):
+        raise TypeError(f"{what} takes one or more non-empty strings; got {values!r}.")
+    return tuple(values)
+
+
+def selections(at: Any) -> tuple[Selection, ...]:
+    """`at=` as a tuple of selections (hashable: part of a trace's cache key)."""
+    if at is None:
+        return ()
+    items = (at,) if isinstance(at, Selection) else at
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, Selection) for s in items):
+        raise TypeError(
+            "at= takes a selection (stx.scopes, stx.modules, stx.primitives, stx.lines) or a "
+            f"list of them; got {at!r}."
+        )
+    return tuple(items)
+
+
+def _describe(chosen: Sequence[Selection]) -> str:
+    return " and ".join(map(str, chosen))

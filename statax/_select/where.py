@@ -1,0 +1,132 @@
+"""Selections: marks where none were written, for a model nobody edited.
+
+`pull(fn, at=...)`, `plant(fn, at=...)` and `grad_inters(fn, at=...)` take selections, which
+make `save_inter`s at the places they select; from there on those are marks like any other.
+
+Two kinds, by how they find their places:
+
+* **Objects** (`modules`): submodules of an equinox or Flax NNX model (or any callable object
+  in one), by attribute path. For the call, each selected object's class is swapped for a
+  subclass whose `__call__` marks the output (and inputs) and calls the original; the class is
+  put back when the call returns. The mark is made where the submodule runs, in whatever trace
+  is there (inside a `vmap`, a `scan`, a derivative), so it behaves exactly as a
+  `save_inter` written at the end of its `__call__`.
+* **Places in the program** (`scopes`, `primitives`, `lines`): the function is traced to a
+  jaxpr (its own marks as they would be), the equations are matched, and the jaxpr is then
+  evaluated into the trace `pull` is making, with a `save_inter` after each selected place.
+  Inside `jit`, `scan`, `while_loop`, `cond`, `jax.checkpoint` and custom derivatives the inner
+  jaxpr is evaluated the same way, so a selection there behaves as a mark written there.
+  A scope or a line is a region: the values made inside it and read after it (or returned)
+  leave it, and are marked, together, where its last equation is. A transformation applied
+  inside the function (`vmap`, `jvp`, `grad`), around the selected place, has already been
+  applied to the jaxpr: the value there is no longer one a mark written at that place would
+  see (its batch axis may be anywhere, a tangent stands beside a primal), so that is an error
+  that says to apply the transformation outside, or to select by module.
+
+A selection that matches nothing is an error listing what there is, closest first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax.extend import core as jex
+from jax.extend import source_info_util as source_info_api
+
+from .._jax import jaxprs as _jaxprs
+
+
+def _stack_of(stack: tuple, eqn) -> tuple:
+    return (*stack, *eqn.source_info.name_stack.stack)
+
+
+_JAXPR_TYPES = (jex.Jaxpr, jex.ClosedJaxpr)
+
+
+def _holds_jaxprs(params) -> bool:
+    """Whether an equation's params hold a jaxpr (alone or in a tuple): `jaxprs_in_params`'s
+    test, without its generator."""
+    for value in params.values():
+        if isinstance(value, _JAXPR_TYPES) or (
+            type(value) is tuple and any(isinstance(v, _JAXPR_TYPES) for v in value)
+        ):
+            return True
+    return False
+
+
+def _is_transform(element) -> bool:
+    """Whether a name stack's element is a transformation (`vmap`, `jvp`, `transpose`) rather
+    than a scope (`jax._src.source_info_util.Transform` and `Scope`, JAX 0.8 -- 0.12)."""
+    return type(element).__name__ == "Transform"
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] | None:
+    names: list[str] = []
+    transformed = False
+    for element in stack:
+        if _is_transform(element):
+            transformed = True
+            continue
+        names.append(element.name)
+        path = "/".join(names)
+        if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            return path, transformed
+    return None
+
+
+def _same_file(file_name: str, file: str) -> bool:
+    return file_name == file or file_name.endswith("/" + file.lstrip("/"))
+
+
+def _location(eqn) -> str:
+    """`"file:line"` of the user's code that made `eqn` (kept per traceback's frames: a program
+    traced again makes its equations at the same places)."""
+    traceback = eqn.source_info.traceback
+    codes, lastis = ([], []) if traceback is None else traceback.raw_frames()
+    # (Keyed by the code objects' ids, which the entry keeps alive: a code object's own hash
+    # reads its contents.)
+    key = (*map(id, codes), *lastis)
+    hit = _LOCATIONS.get(key)
+    if hit is None:
+        match = re.match(r"(.*?):(\d+)", source_info_api.summarize(eqn.source_info))
+        hit = _LOCATIONS[key] = ("<unknown>" if match is None else f"{match[1]}:{match[2]}", codes)
+        if len(_LOCATIONS) > 4096:
+            _LOCATIONS.clear()
+    return hit[0]
+
+
+_LOCATIONS: dict = {}
+
+
+def _walk_eqns(eqns: Sequence, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+    for eqn in eqns:
+        yield stack, eqn
+        for sub in _jaxprs.jaxprs_in_params(eqn.params):
+            yield from _walk(sub, _stack_of(stack, eqn))
+
+
+def _walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+    jaxpr = jaxpr.jaxpr if _jaxprs.wraps_jaxpr(jaxpr) else jaxpr
+    yield from _walk_eqns(jaxpr.eqns, stack)
+
+
+def _short(location: str) -> str:
+    file, _, line = location.rpartition(":")
+    return f"{file.rsplit('/', 1)[-1]}:{line}"
+
+
+_LIBRARIES = ("/flax/", "/jax/", "/statax/", "/equinox/", "/contextlib.py")
+
+
+def _outside_libraries() -> str:
+    """`"file:line"` of the innermost frame outside Flax, JAX, equinox and statax."""
+    frame = sys._getframe(2)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
