@@ -1,4 +1,7 @@
-"""`pull`: trace, rewrite with `pull_jaxpr`, cache, evaluate, and name the intermediates."""
+"""How a driver calls a function: the equinox filter convention (arrays traced, the rest
+static), the callable itself flattened with its arguments (an `eqx.Module`'s arrays are traced),
+and the array outputs made flat.
+"""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Version shims: what statax reads of JAX that is private or changes between releases.
+"""statax's own state in JAX's trace context, and the effects its primitives carry.
 
-Each name here hides one such thing (a param's name, a rule table's signature, where a
-primitive lives), with the JAX versions it was written against, so that a new JAX release is
-an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
-does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
-that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
-`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
-of them reads (`tools/private_names.py`).
-
-Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
-on the version or on behaviour says, in a comment, which versions each side covers.
+Each state (`PULLING`, `SCOPE`, `PLANTING`, `SELECTION`, `STATEFUL`, `RAN_MASKS`,
+`DIFFERENTIATING`) is part of JAX's trace context, so that `jax.jit` keeps the traces made
+under one apart from the others. Leans on `jax._src.config` and `jax._src.effects` (JAX 0.8 --
+0.12; listed in `docs/maintaining.md`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
-
-`pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
-output, and every value that a mark takes in from outside (a planted value, see `take`) comes
-from an extra input. It walks the equations once:
-
-* a `save_inter` equation is removed: its outputs are its operands, appended to the jaxpr's
-  outputs, described by the `StateMeta` in its params; or, for a mark that takes a value in,
-  new variables appended to the jaxpr's inputs;
-* an equation whose inner jaxprs hold no mark is kept as it is;
-* any other equation goes to the handler registered for its primitive. There is one rule
-  shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
-  by** the flat leaves of the values it takes in (`ins`) and computes the original outputs
-  **followed by** the flat leaves of the intermediates it exposes (`outs`), with their
-  `StateMeta`s in the same order. The walk appends those extra inputs and outputs to the
-  jaxpr's own. A primitive with no handler is an error that names it and says how to register
-  one.
-
-Handlers for loops and branches are written as *exposers* (`register_exposer`), a layer on this
-one contract: a function that runs the primitive with the marks taken out and binds them again
-outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
+"""Running a pulled jaxpr under an equation's own derivative rules (`pulled_with_rule`): for
+custom derivatives, linear solves, hijax and equinox primitives, whose rules are theirs while
+their marks leave them.
 """
 
 from __future__ import annotations

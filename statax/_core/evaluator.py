@@ -28,7 +28,7 @@ from jax.extend import source_info_util as source_info_api
 
 from .._jax import jaxprs as _jaxprs
 
-__all__ = ["bind_equation", "evaluate", "in_context", "keep", "rewrite", "walk"]
+__all__ = ["bind_equation", "equations", "evaluate", "in_context", "keep", "rewrite", "walk"]
 
 Step = Callable[[jex.JaxprEqn, list], Sequence[Any]]
 
@@ -149,3 +149,14 @@ class _Env(dict):
         if self.free:
             return var
         raise KeyError(var)
+
+
+def equations(jaxpr: Any):
+    """Every equation of `jaxpr` (open or closed) and of the jaxprs in their params, at any
+    depth, in program order (an equation before those inside it)."""
+    if _jaxprs.wraps_jaxpr(jaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jaxprs.jaxprs_in_params(eqn.params):
+            yield from equations(sub)

@@ -1,24 +1,12 @@
-"""`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
+"""The handler registry: what statax knows of each higher-order primitive, declared where
+its handler is registered.
 
-`pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
-output, and every value that a mark takes in from outside (a planted value, see `take`) comes
-from an extra input. It walks the equations once:
-
-* a `save_inter` equation is removed: its outputs are its operands, appended to the jaxpr's
-  outputs, described by the `StateMeta` in its params; or, for a mark that takes a value in,
-  new variables appended to the jaxpr's inputs;
-* an equation whose inner jaxprs hold no mark is kept as it is;
-* any other equation goes to the handler registered for its primitive. There is one rule
-  shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
-  by** the flat leaves of the values it takes in (`ins`) and computes the original outputs
-  **followed by** the flat leaves of the intermediates it exposes (`outs`), with their
-  `StateMeta`s in the same order. The walk appends those extra inputs and outputs to the
-  jaxpr's own. A primitive with no handler is an error that names it and says how to register
-  one.
-
-Handlers for loops and branches are written as *exposers* (`register_exposer`), a layer on this
-one contract: a function that runs the primitive with the marks taken out and binds them again
-outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
+A handler takes an equation and returns a `Rewrite` (the one rule shape: the equation with
+the values it takes in appended to its inputs and the intermediates it exposes appended to its
+outputs, with their `StateMeta`s). Beside the handler, its module declares how `stateful`
+threads state through the primitive (`thread_state`, `runs`), where its marks are
+(`find_saves`) and what the drivers need to know of it (`Flags`: whether selections reach
+into it, whether it runs Python). No list of primitives lives anywhere else.
 """
 
 from __future__ import annotations
@@ -212,6 +200,25 @@ def unregister_family(matches: Callable[[jex.JaxprEqn], bool]) -> None:
 def on_forget(callback: Callable[[], None]) -> None:
     """Call `callback` whenever the handlers change (for caches of rewrites kept elsewhere)."""
     _ON_FORGET.append(callback)
+
+
+_REBINDINGS: dict[str, Callable] = {}
+
+
+def register_rebinding(name: str, rule: Callable[[jex.JaxprEqn, list], list]) -> None:
+    """Teach `stateful` to bind again an equation of the primitive called `name` on values
+    whose types may differ from those it was traced with: `rule(eqn, invals) -> outs`.
+
+    `stateful` evaluates a traced program again with its state's current values in place of
+    the traced reads, and a value read from state may, say, vary over a `shard_map`'s manual
+    axes where the traced value did not (`handlers.shard_map` registers `pvary` and `pcast`).
+    By name, for primitives that JAX keeps private."""
+    _REBINDINGS[name] = rule
+
+
+def rebinding_for(eqn: jex.JaxprEqn) -> Callable | None:
+    """The rule `register_rebinding` gave `eqn`'s primitive, or `None`."""
+    return _REBINDINGS.get(eqn.primitive.name)
 
 
 def on_unregister(callback: Callable[[jex.Primitive], None]) -> None:

@@ -1,34 +1,26 @@
-"""`pull_jaxpr`: the walk over a jaxpr, the handler registry, and the plumbing handlers share.
-
-`pull_jaxpr` rewrites a jaxpr so that every value marked with `save_inter` leaves it as an extra
-output, and every value that a mark takes in from outside (a planted value, see `take`) comes
-from an extra input. It walks the equations once:
+"""`pull_jaxpr`: every mark of a jaxpr made an extra output (and every planted one an extra
+input), a hook on the one walk (`_core.evaluator.rewrite`).
 
 * a `save_inter` equation is removed: its outputs are its operands, appended to the jaxpr's
   outputs, described by the `StateMeta` in its params; or, for a mark that takes a value in,
   new variables appended to the jaxpr's inputs;
 * an equation whose inner jaxprs hold no mark is kept as it is;
-* any other equation goes to the handler registered for its primitive. There is one rule
-  shape: a handler returns a `Rewrite`, an equation that takes the original inputs **followed
-  by** the flat leaves of the values it takes in (`ins`) and computes the original outputs
-  **followed by** the flat leaves of the intermediates it exposes (`outs`), with their
-  `StateMeta`s in the same order. The walk appends those extra inputs and outputs to the
-  jaxpr's own. A primitive with no handler is an error that names it and says how to register
-  one.
-
-Handlers for loops and branches are written as *exposers* (`register_exposer`), a layer on this
-one contract: a function that runs the primitive with the marks taken out and binds them again
-outside it, traced and walked into a `Rewrite`, and reused under `vmap`.
+* any other equation goes to the handler registered for its primitive, whose `Rewrite` takes
+  the original inputs **followed by** the values it takes in and computes the original
+  outputs **followed by** the intermediates it exposes. A primitive with no handler is an
+  error that names it and says how to register one.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
+from jax.extend import source_info_util as source_info_api
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
@@ -250,7 +242,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)
         if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
             eqn = eqn.replace(invars=invars)  # (reading the operands of removed marks)
-        with _jaxprs.user_context(eqn):
+        with source_info_api.user_context(eqn.source_info.traceback):  # errors: the user's line
             rewrite = _check_handler_result(eqn, handler(eqn))
         new_eqn = rewrite.eqn
         emit(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
@@ -338,9 +330,7 @@ def restage_equation(eqn: jex.JaxprEqn, outs: Sequence[StateMeta], **params) -> 
         return restage_equation(eqn, body.outs, **new)
     """
     new_params = dict(eqn.params, **params)
-    out_avals, effects = _jaxprs.abstract_eval(
-        eqn.primitive, [x.aval for x in eqn.invars], new_params
-    )
+    out_avals, effects = _abstract_eval(eqn.primitive, [x.aval for x in eqn.invars], new_params)
     new = eqn.replace(
         outvars=[*eqn.outvars, *(jex.Var(a) for a in out_avals[len(eqn.outvars) :])],
         params=new_params,
@@ -363,3 +353,10 @@ def call_equation(eqn: jex.JaxprEqn, rewritten: Rewritten) -> Rewrite:
         effects=rewritten.jaxpr.effects,
     )
     return extend_equation(call, rewritten)
+
+
+def _abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:
+    """`(out_avals, effects)` of `prim` bound with `params` on `in_avals` (as a list, for
+    primitives with one result too), without a trace."""
+    out_avals, effects = prim.abstract_eval(*in_avals, **params)
+    return (list(out_avals) if prim.multiple_results else [out_avals]), effects

@@ -1,4 +1,6 @@
-"""`pull`: trace, rewrite with `pull_jaxpr`, cache, evaluate, and name the intermediates."""
+"""The traces a driver keeps: per function (held weakly) and per kind of argument (their
+types, static leaves and tree structure), a few each.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`pull`: trace, rewrite with `pull_jaxpr`, cache, evaluate, and name the intermediates."""
+"""Naming what `pull` returns: keys `name_0, name_1, ...` in program order (`Key`, with the
+`save_inter`'s location), the `only=` selection, and the output rebuilt from flat arrays.
+"""
 
 from __future__ import annotations
 

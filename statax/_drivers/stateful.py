@@ -1,25 +1,8 @@
-"""`stateful`, `get_state` and `set_state`: named state threaded through any function.
+"""`stateful`: named state threaded through any function.
 
-`get_state` and `set_state` bind two primitives, and only while `stateful` traces (outside one,
-`get_state` returns its `init()` with a `StatefulWarning` and `set_state` returns its value).
-`stateful` traces the function once per kind of argument and of state, then *threads* the
-jaxpr: it evaluates it in a new trace, equation by equation, with an environment of the
-current value of each name. A `set_state` replaces the value; a `get_state` reads it (or, for
-a name that has none yet, returns its own `init()`, an operand of the equation). Equations
-whose functions touch no state are bound as they are. For the others, the primitive's handler
-module says what to do, beside what it does with marks (`register_handler`'s `thread_state`,
-a rule that rebuilds the equation with public JAX around functions this module threads, with
-a `Threading`; or `runs`, the Python functions a primitive runs, traced and threaded as a
-call); a primitive with a handler and neither threads state on the handler's own contract
-(`_on_handler_contract`: in as planted values, out as marks). The rules live in
-`statax/handlers/`: calls run inline; a loop carries every name its body sets; a `cond` lets
-out, from the branch that ran, every name some branch sets; `jax.checkpoint` is rebuilt
-around the threaded function, so a recomputation sets nothing; a `shard_map` makes a name set
-inside per-shard state, one row per shard.
-
-Under `vmap` both primitives are batched with the batch axis first: a value set under a
-`vmap` is per example, and a read under a `vmap` sees each example's value (an unbatched
-value is broadcast).
+`stateful(fn)(*args, state=...)` traces `fn` once per kind of argument and of state, then
+threads the jaxpr (`_core.thread_state.run`, a hook on the one evaluator) with the state's
+current values, and returns `(out, new_state)`.
 """
 
 from __future__ import annotations
@@ -37,7 +20,9 @@ from .._core import calling as _calling
 from .._core import context as _context
 from .._core.errors import StateError
 from .._core.meta import StateMeta, number_as_array
-from .._core.state import Given, _Log, _names, _run, _Slot, _split
+from .._core.state import Given, _split
+from .._core.thread_state import _Log, _names, _Slot
+from .._core.thread_state import run as _run
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
 from . import cache as _cache

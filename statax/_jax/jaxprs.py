@@ -1,15 +1,5 @@
-"""Version shims: what statax reads of JAX that is private or changes between releases.
-
-Each name here hides one such thing (a param's name, a rule table's signature, where a
-primitive lives), with the JAX versions it was written against, so that a new JAX release is
-an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
-does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
-that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
-`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
-of them reads (`tools/private_names.py`).
-
-Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
-on the version or on behaviour says, in a comment, which versions each side covers.
+"""Making, reading and tracing jaxprs and equations, whatever the JAX version (0.8 -- 0.12):
+the walk over nested jaxprs, a new equation, a trace at exact input types, debug info.
 """
 
 from __future__ import annotations
@@ -21,8 +11,6 @@ import jax
 from jax.extend import core as jex
 
 from jax.extend import linear_util as linear_util_api  # isort: skip
-
-from jax.extend import source_info_util as source_info_api  # isort: skip
 
 
 from jax.interpreters import partial_eval as pe_api  # isort: skip
@@ -43,12 +31,10 @@ __all__ = [
     "bind",
     "dce",
     "debug_info",
-    "equations",
     "extend_debug_info",
     "jaxprs_in_params",
     "new_equation",
     "trace",
-    "user_context",
     "wraps_jaxpr",
     "zeros",
 ]
@@ -57,17 +43,6 @@ __all__ = [
 jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
 if jaxprs_in_params is None:
     from jax._src.core import jaxprs_in_params  # noqa: F401
-
-
-def equations(jaxpr: Any):
-    """Every equation of `jaxpr` (open or closed) and of the jaxprs in their params, at any
-    depth, in program order (an equation before those inside it)."""
-    if wraps_jaxpr(jaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jaxprs_in_params(eqn.params):
-            yield from equations(sub)
 
 
 def wraps_jaxpr(jaxpr: Any) -> bool:
@@ -100,13 +75,6 @@ def debug_info(name: str, source: Callable | None = None) -> Any:
 
 
 NO_EFFECTS = core.no_effects
-
-
-def abstract_eval(prim: jex.Primitive, in_avals: Sequence[Any], params: dict) -> tuple:
-    """`(out_avals, effects)` of `prim` bound with `params` on `in_avals` (as a list, for
-    primitives with one result too), without a trace."""
-    out_avals, effects = prim.abstract_eval(*in_avals, **params)
-    return (list(out_avals) if prim.multiple_results else [out_avals]), effects
 
 
 def new_equation(
@@ -158,8 +126,3 @@ def extend_debug_info(
     if not isinstance(paths, tuple):
         return debug_info._replace(result_paths=None)
     return debug_info._replace(result_paths=paths[:keep] + tuple(names))
-
-
-def user_context(eqn: jex.JaxprEqn):
-    """Attribute errors raised while handling `eqn` to the user's line that made it."""
-    return source_info_api.user_context(eqn.source_info.traceback)

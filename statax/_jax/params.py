@@ -1,15 +1,6 @@
-"""Version shims: what statax reads of JAX that is private or changes between releases.
-
-Each name here hides one such thing (a param's name, a rule table's signature, where a
-primitive lives), with the JAX versions it was written against, so that a new JAX release is
-an afternoon's work. Logic that leans on JAX's internals lives in modules named for what it
-does: `_staging` (the trace frame, equations that only read), `_python_rules` (primitives
-that run Python of their own), `_custom_rules` (tracing a custom derivative's rule),
-`_fastpaths` (the switch), `_tracebacks`. `docs/maintaining.md` lists every private name each
-of them reads (`tools/private_names.py`).
-
-Tested against JAX 0.8.0 -- 0.12.0.1 (see `pyproject.toml` and `docs/maintaining.md`). A branch
-on the version or on behaviour says, in a comment, which versions each side covers.
+"""Views of the params of JAX's higher-order primitives (`*_parts`) and ways back (`*_params`),
+whatever the JAX version in use names them (JAX 0.8 -- 0.12): the handler API's parameter views,
+re-exported as `statax.extend.params`.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend import core as jex
 
-from .jaxprs import bind, jaxprs_in_params
+from .jaxprs import jaxprs_in_params
 from .primitives import UNSPECIFIED_SHARDING
 
 __all__ = [
@@ -29,7 +20,6 @@ __all__ = [
     "LinearSolveParts",
     "ScanParts",
     "ShardMapParts",
-    "VARY_PRIMITIVES",
     "WhileParts",
     "call_jaxpr",
     "call_params",
@@ -44,7 +34,6 @@ __all__ = [
     "jit_params",
     "linear_solve_params",
     "linear_solve_parts",
-    "rebind_vary",
     "scan_params",
     "scan_parts",
     "shard_map_manual_axes",
@@ -269,18 +258,3 @@ def vary(x, axes: tuple) -> Any:
     if hasattr(jax.lax, "pcast"):  # JAX 0.9+
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)  # JAX 0.8
-
-
-# The primitives that mark a value as varying over manual axes: `pvary` (JAX 0.8 -- 0.12) and
-# `pcast` with `to="varying"` (0.9+).
-VARY_PRIMITIVES = frozenset({"pvary", "pcast"})
-
-
-def rebind_vary(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list:
-    """Evaluate a `pvary`/`pcast` equation on `args` that may already vary over some of its
-    axes (state read per shard, where it was the same on every shard when traced)."""
-    params = eqn.params
-    if eqn.primitive.name == "pcast" and params.get("to") != "varying":
-        return list(bind(eqn.primitive, args, params))
-    axes = tuple(params.get("axes", params.get("axis_name", ())))
-    return [vary(x, axes) for x in args]

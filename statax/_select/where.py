@@ -1,29 +1,5 @@
-"""Selections: marks where none were written, for a model nobody edited.
-
-`pull(fn, at=...)`, `plant(fn, at=...)` and `grad_inters(fn, at=...)` take selections, which
-make `save_inter`s at the places they select; from there on those are marks like any other.
-
-Two kinds, by how they find their places:
-
-* **Objects** (`modules`): submodules of an equinox or Flax NNX model (or any callable object
-  in one), by attribute path. For the call, each selected object's class is swapped for a
-  subclass whose `__call__` marks the output (and inputs) and calls the original; the class is
-  put back when the call returns. The mark is made where the submodule runs, in whatever trace
-  is there (inside a `vmap`, a `scan`, a derivative), so it behaves exactly as a
-  `save_inter` written at the end of its `__call__`.
-* **Places in the program** (`scopes`, `primitives`, `lines`): the function is traced to a
-  jaxpr (its own marks as they would be), the equations are matched, and the jaxpr is then
-  evaluated into the trace `pull` is making, with a `save_inter` after each selected place.
-  Inside `jit`, `scan`, `while_loop`, `cond`, `jax.checkpoint` and custom derivatives the inner
-  jaxpr is evaluated the same way, so a selection there behaves as a mark written there.
-  A scope or a line is a region: the values made inside it and read after it (or returned)
-  leave it, and are marked, together, where its last equation is. A transformation applied
-  inside the function (`vmap`, `jvp`, `grad`), around the selected place, has already been
-  applied to the jaxpr: the value there is no longer one a mark written at that place would
-  see (its batch axis may be anywhere, a tangent stands beside a primal), so that is an error
-  that says to apply the transformation outside, or to select by module.
-
-A selection that matches nothing is an error listing what there is, closest first.
+"""Where an equation is: its scope path (name stack) and its source line, as selections match
+them and errors show them.
 """
 
 from __future__ import annotations

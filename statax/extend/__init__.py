@@ -5,10 +5,11 @@ rest: the handler contract (`Rewrite`, `register_handler`, `register_exposer`, .
 (`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two namespaces:
 `statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
 whatever the JAX version names them) and `statax.extend.reductions` (the reduction modes).
-Every built-in handler in `statax/handlers/` is written with these names only (ruff's
-banned-import rule enforces it: see `statax/handlers/ruff.toml`). `statax.extend.equinox`
-holds what statax knows of equinox's private machinery (its loops, filter primitives and
-`noinline`).
+Every built-in handler in `statax/handlers/` is written with these names only, JAX's public
+API and its own library (an allowlist that `tests/test_layers.py` checks). `statax.extend`
+itself imports the engine (`statax._core`) and the version shims (`statax._jax`), nothing
+above them. `statax.extend.equinox` holds what statax knows of equinox's private machinery
+(its filter primitives, `noinline` and the masking of its loops' state).
 """
 
 from .._core.batching import register_batching_guard as register_batching_guard
@@ -16,6 +17,7 @@ from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
 from .._core.errors import StateError as StateError
+from .._core.evaluator import equations as equations
 from .._core.exposers import handler_from_exposer as handler_from_exposer
 from .._core.exposers import inert as inert
 from .._core.exposers import map_jaxprs as map_jaxprs
@@ -43,6 +45,7 @@ from .._core.registry import Rewritten as Rewritten
 from .._core.registry import on_forget as on_forget
 from .._core.registry import register_family as register_family
 from .._core.registry import register_handler as register_handler
+from .._core.registry import register_rebinding as register_rebinding
 from .._core.registry import unregister_family as unregister_family
 from .._core.registry import unregister_handler as unregister_handler
 from .._core.rewrite import call_equation as call_equation
@@ -50,11 +53,10 @@ from .._core.rewrite import extend_equation as extend_equation
 from .._core.rewrite import pull_jaxpr as pull_jaxpr
 from .._core.rewrite import pull_open_jaxpr as pull_open_jaxpr
 from .._core.rewrite import restage_equation as restage_equation
-from .._core.state import Threading as Threading
-from .._core.state import threads_state as threads_state
+from .._core.thread_state import Threading as Threading
+from .._core.thread_state import threads_state as threads_state
 from .._jax.jaxprs import bind as bind
 from .._jax.jaxprs import dce as dce
-from .._jax.jaxprs import equations as equations
 from .._jax.jaxprs import trace as trace
 from .._jax.jaxprs import wraps_jaxpr as wraps_jaxpr
 from .._jax.params import vary as vary
@@ -112,6 +114,8 @@ __all__ = [
     "register_exposer",
     "register_family",
     "register_handler",
+    "register_rebinding",
+    "register_rebinding",
     "restage_equation",
     "save_inter_p",
     "split_leaves",

@@ -25,12 +25,14 @@ from jax.sharding import PartitionSpec
 
 from statax.extend import (
     SHARD_MAP_PRIMITIVE,
+    bind,
     handler_from_exposer,
     mark,
     params,
     pull_open_jaxpr,
     reductions,
     register_handler,
+    register_rebinding,
     split_leaves,
     take,
     vary,
@@ -147,3 +149,18 @@ def _thread_state(eqn, invals, threading):
 register_handler(
     SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer), thread_state=_thread_state
 )
+
+
+def _rebind_vary(eqn, args):
+    # Under `stateful`, a `pvary`/`pcast` equation's operand may already vary over some of its
+    # axes (state read per shard, where it was the same on every shard when traced): mark it as
+    # varying over the others only. `pvary` in JAX 0.8 -- 0.12; `pcast` with `to="varying"`
+    # in 0.9+.
+    if eqn.primitive.name == "pcast" and eqn.params.get("to") != "varying":
+        return list(bind(eqn.primitive, args, eqn.params))
+    axes = tuple(eqn.params.get("axes", eqn.params.get("axis_name", ())))
+    return [vary(x, axes) for x in args]
+
+
+register_rebinding("pvary", _rebind_vary)
+register_rebinding("pcast", _rebind_vary)
