@@ -16,6 +16,7 @@ from jax._src import effects as effects_lib  # isort: skip
 
 __all__ = [
     "DIFFERENTIATING",
+    "NO_EFFECTS",
     "PLANTING",
     "PULLING",
     "RAN_MASKS",
@@ -50,6 +51,7 @@ class StateEffect(effects_lib.Effect):
         return "StateEffect"
 
 
+NO_EFFECTS: frozenset = frozenset()  # (what JAX's own `no_effects` is)
 SAVE_EFFECT = SaveEffect()
 STATE_EFFECT = StateEffect()
 for _allowed in (

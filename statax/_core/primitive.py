@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 from . import context as _context
 from . import fastpaths as _fastpaths
@@ -240,7 +239,7 @@ def _stage(arrays: list, meta: StateMeta, status: str) -> list:
         return arrays
     if not _fastpaths.on:
         return save_inter_p.bind(*arrays, **params)
-    effects = _SAVE_EFFECTS if status == COLLECTING else _jaxprs.NO_EFFECTS
+    effects = _SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
     outs = _staging.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
 
@@ -354,7 +353,7 @@ def _impl(*xs, meta, status):
 
 @save_inter_p.def_effectful_abstract_eval
 def _abstract_eval(*avals, meta, status):  # (as `_stage` stages it)
-    effects = _SAVE_EFFECTS if status == COLLECTING else _jaxprs.NO_EFFECTS
+    effects = _SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
     return _outputs(list(avals), status), effects
 
 

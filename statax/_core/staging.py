@@ -20,8 +20,8 @@ from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 from jax.interpreters import partial_eval as pe_api
 
-from .._jax.jaxprs import NO_EFFECTS
 from .._jax.tracing import _TRACE
+from .context import NO_EFFECTS
 
 from jax._src import config as jax_config  # isort: skip
 
@@ -205,7 +205,7 @@ def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
     return True
 
 
-_JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, core.JaxprEqn
+_JAXPR_TRACE, _JaxprEqn = pe.DynamicJaxprTrace, jex.JaxprEqn
 
 
 def _stage_observer(
@@ -284,7 +284,7 @@ def as_equation(e: Any) -> jex.JaxprEqn:
     """`e`, an equation of `staged_as_held`, as a `JaxprEqn`."""
     if isinstance(e, pe.TracingEqn):
         invars = [t.val for t in e.in_tracers]
-        return core.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
+        return jex.JaxprEqn(invars, e.outvars, e.primitive, e.params, e.effects,
                              e.source_info, e.ctx)  # fmt: skip
     return e
 

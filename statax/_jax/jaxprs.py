@@ -74,9 +74,6 @@ def debug_info(name: str, source: Callable | None = None) -> Any:
     return lu.DebugInfo(name, where, None, None)
 
 
-NO_EFFECTS = core.no_effects
-
-
 def new_equation(
     invars: Sequence[Any], outvars: Sequence[Any], prim: jex.Primitive, params: dict, effects
 ) -> jex.JaxprEqn:

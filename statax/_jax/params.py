@@ -226,12 +226,14 @@ def hi_jaxprs(params: dict) -> list:
 def hi_expand(params: dict) -> Callable:
     """`f(*flat_args) -> flat outputs`: what a `call_hi_primitive` equation computes, in terms
     of ordinary primitives (its forward pass; its own rules still govern derivatives)."""
-    from jax._src.tree_util import tree_leaves_checked
-
     prim = params["_prim"]
 
     def expand(*flat):
-        return tree_leaves_checked(prim.out_tree, prim.expand(*prim.in_tree.unflatten(flat)))
+        out = prim.expand(*prim.in_tree.unflatten(flat))
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        if tree != prim.out_tree:
+            raise TypeError(f"{prim} expanded to {tree}, not its declared {prim.out_tree}")
+        return leaves
 
     return expand
 
