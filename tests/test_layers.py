@@ -135,9 +135,7 @@ def handler_import_errors(path: pathlib.Path, source: str | None = None) -> list
     return errors
 
 
-@pytest.mark.parametrize(
-    "path", sorted((PACKAGE / "handlers").glob("*.py")), ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", sorted((PACKAGE / "handlers").glob("*.py")), ids=lambda p: p.name)
 def test_handlers_import_only_statax_extend_jax_and_their_library(path):
     assert handler_import_errors(path) == []
 

@@ -578,9 +578,7 @@ def test_per_example_state_from_an_inner_vmap_is_passed_back_in():
         _, state = run(xs, state=state) if state is not None else run(xs)
     assert_tree_allclose(state, {"total": jnp.arange(3.0) * 3 + 3.0})  # by hand: 0+1+2 more
     with pytest.raises(stx.StateError, match=r"holds float32\[3\].*per example: read it inside"):
-        stx.stateful(lambda x: stx.get_state("total", init=lambda: jnp.zeros(())))(
-            1.0, state=state
-        )
+        stx.stateful(lambda x: stx.get_state("total", init=lambda: jnp.zeros(())))(1.0, state=state)
 
 
 def set_in_a_branch(x, p):

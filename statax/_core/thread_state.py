@@ -345,11 +345,31 @@ def _carried(
 
 
 def _probe(jaxpr, args, env, log) -> Callable:
+    """`probe()`: what a first iteration of the loop body `jaxpr` reads with no value yet (its
+    `init()`s), name -> `_Slot`. The trial iteration is traced apart, and only what those values
+    need is evaluated here: the rest of it would stay in the program as dead code, where a
+    selection (`at=`) would find its places a second time."""
+
     def probe():
-        trial = _Log()
-        trial.depth = log.depth
-        run(*_closed(inert(jaxpr)), args, dict(env), trial)
-        return trial.defaults
+        found: dict = {}
+
+        def trial_run(*args):
+            trial = _Log()
+            trial.depth = log.depth
+            run(*_closed(inert(jaxpr)), args, dict(env), trial)
+            found.update(trial.defaults)
+            return [x for slot in found.values() for x in slot.leaves]
+
+        closed = _jaxprs.trace(trial_run, [jax.typeof(a) for a in args], name="probe")
+        if not found:
+            return {}
+        open_jaxpr, consts = _closed(closed)
+        needed, _ = _jaxprs.dce(open_jaxpr, [True] * len(open_jaxpr.outvars), keep=True)
+        leaves = iter(evaluate(needed, consts, args))
+        return {
+            n: slot._replace(leaves=tuple(next(leaves) for _ in slot.leaves))
+            for n, slot in found.items()
+        }
 
     return probe
 

@@ -25,11 +25,12 @@ _JAXPR_TYPES = (jex.Jaxpr, jex.ClosedJaxpr)
 
 
 def _holds_jaxprs(params) -> bool:
-    """Whether an equation's params hold a jaxpr (alone or in a tuple): `jaxprs_in_params`'s
-    test, without its generator."""
+    """Whether an equation's params hold a jaxpr (alone or in a tuple, or in a named tuple, as
+    `custom_linear_solve` keeps its functions): `jaxprs_in_params`'s test, without its
+    generator."""
     for value in params.values():
         if isinstance(value, _JAXPR_TYPES) or (
-            type(value) is tuple and any(isinstance(v, _JAXPR_TYPES) for v in value)
+            isinstance(value, tuple) and any(isinstance(v, _JAXPR_TYPES) for v in value)
         ):
             return True
     return False

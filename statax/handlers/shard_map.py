@@ -146,6 +146,8 @@ def _thread_state(eqn, invals, threading):
     return outs
 
 
+# Not `selectable`: its body is traced only inside its mesh's axes (a `pvary` there binds an
+# axis name that exists nowhere else), so a selection cannot evaluate it again on its own.
 register_handler(
     SHARD_MAP_PRIMITIVE, handler_from_exposer(_shard_map_exposer), thread_state=_thread_state
 )

@@ -44,4 +44,5 @@ def _inert(jaxpr):
     return None if jaxpr is None else inert(jaxpr)
 
 
-register_handler(linear_solve_p, handler_from_exposer(_linear_solve_exposer))
+# Evaluated again with marks inside, a solve takes its new functions as it took the old ones.
+register_handler(linear_solve_p, handler_from_exposer(_linear_solve_exposer), selectable=True)
