@@ -203,6 +203,16 @@ def lineax_solved(x, state):  # an equinox filter primitive, running the operato
     return lx.linear_solve(op, x, lx.Diagonal()).value
 
 
+def _lineax_too_old() -> str | None:
+    import lineax as lx
+
+    if tuple(map(int, lx.__version__.split(".")[:3])) < (0, 1, 1):
+        # lineax 0.1.0 (the newest for JAX 0.8) takes the diagonal of the whole matrix, which
+        # it materialises: its matvec runs on every basis vector, not once.
+        return "lineax < 0.1.1 runs the matvec on every basis vector"
+    return None
+
+
 def lineax_ref(x, scale):
     h = jnp.full_like(x, 2.0)  # the diagonal solver's one matvec, of ones: the diagonal
     return x / (h * scale), {"h_0": h}, jnp.sum(h * scale)
@@ -418,6 +428,14 @@ PROGRAM_LEVEL = {
 }
 
 
+@functools.cache
+def _root_is_hijax() -> bool:
+    """Whether `lax.custom_root` is a hijax primitive here (JAX 0.11+; custom derivatives
+    before, which selections reach into)."""
+    eqns = jax.make_jaxpr(lambda x: rooted(x, False))(X).eqns
+    return HI_PRIMITIVE is not None and any(e.primitive is HI_PRIMITIVE for e in eqns)
+
+
 def selection_refused(construct, composition, transform) -> str | None:
     """The error a selection gives, as a pattern, or `None`."""
     if composition not in PROGRAM_LEVEL:
@@ -425,7 +443,7 @@ def selection_refused(construct, composition, transform) -> str | None:
     # Where `stateful` threads state through a primitive that runs Python functions or an
     # expansion of its own, it runs them as a call: a selection sees inside.
     threaded = composition == "pull_stateful_scopes"
-    if construct == "hijax" and HI_PRIMITIVE is not None and not threaded:
+    if construct == "hijax" and _root_is_hijax() and not threaded:
         return "no (scope|primitive|line) .* in the program"
     if construct == "shard_map":  # its body is traced only inside its mesh's axes
         return "inside `shard_map`.*does not reach into"
@@ -502,6 +520,8 @@ def test_composition_matrix(construct, composition, transform, fast):
                            transform))  # fmt: skip
     if refused is not None:
         pytest.skip(refused)
+    if construct == "equinox_primitive" and _lineax_too_old():
+        pytest.skip(_lineax_too_old())
     if composition == "plant_scopes":  # the scope's key, as the hook's
         compose = functools.partial(compose, key=SCOPE_KEYS.get(construct, "h"))
     f = lambda x: body(x, state)  # noqa: E731
@@ -549,6 +569,8 @@ def test_a_missing_jax_internal_turns_the_fast_paths_off_and_changes_nothing(mon
     with _fastpaths.enabled(True):  # asked for, but not there: off
         assert not _fastpaths.on
         for name, (body, ref, _) in CONSTRUCTS.items():
+            if name == "equinox_primitive" and _lineax_too_old():
+                continue
             out, marks = stx.pull(jax.jit(lambda x: body(x, False)))(X)  # noqa: B023
             want_out, want_marks, _ = ref(X, 1.0)
             assert_tree_allclose((out, marks), (want_out, want_marks), rtol=1e-5, atol=1e-6)
