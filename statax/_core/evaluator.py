@@ -48,17 +48,30 @@ def walk(
     equation's outputs are `step(eqn, its inputs' values)`, and a literal's value is
     `literal(lit)`. `after(i, eqn, env)`, where given, runs once the `i`th equation's outputs
     are in `env` (variable -> value), and may change any value there (a selection marks the
-    values leaving a region). With `free`, a variable that nothing in `jaxpr` defines stands
-    for itself (a rewrite of equations staged in a trace, whose variables are the trace's).
-    Returns the values of `jaxpr`'s outputs."""
-    env = _Env(zip([*jaxpr.constvars, *jaxpr.invars], inputs, strict=True))
-    env.free = free
+    values leaving a region). With `free` (a rewrite), values are atoms, `env` holds only the
+    variables that stand for others, and any other variable stands for itself (also one that
+    nothing in `jaxpr` defines: a rewrite of equations staged in a trace, whose variables are
+    the trace's). Returns the values of `jaxpr`'s outputs."""
+    lit = jex.Literal
+    if free:  # (a rewrite: `env` holds only the variables that stand for others)
+        env = {v: x for v, x in zip([*jaxpr.constvars, *jaxpr.invars], inputs) if v is not x}
+        get = env.get
 
-    def read(x):
-        return literal(x) if isinstance(x, jex.Literal) else env[x]
+        def read(x):
+            return x if isinstance(x, lit) else get(x, x)
+
+    else:
+        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], inputs, strict=True))
+
+        def read(x):
+            return literal(x) if isinstance(x, lit) else env[x]
 
     for i, eqn in enumerate(jaxpr.eqns):
-        env.update(zip(eqn.outvars, step(eqn, [read(x) for x in eqn.invars]), strict=True))
+        # (nothing renamed yet, a rewrite reads the equation's own inputs: no copy)
+        invals = [read(x) for x in eqn.invars] if env or not free else eqn.invars
+        outs = step(eqn, invals)
+        if outs is not eqn.outvars:
+            env.update(zip(eqn.outvars, outs, strict=True))
         if after is not None:
             after(i, eqn, env)
     return [read(x) for x in jaxpr.outvars]
@@ -107,48 +120,28 @@ def _literal_value(x: jex.Literal) -> Any:
 Emit = Callable[[jex.JaxprEqn], None]
 
 
-def rewrite(
-    jaxpr: jex.Jaxpr,
-    step: Callable[[jex.JaxprEqn, list, Emit], Sequence],
-    after: Callable[[int, jex.JaxprEqn, dict, Emit], None] | None = None,
-):
-    """Rewrite `jaxpr` (open): `step(eqn, invars, emit)` emits the equations that take `eqn`'s
-    place (`emit(new_eqn)`, any number of them; `keep` emits `eqn` as it was) and returns the
-    atoms that stand for `eqn`'s outputs after it; `after(i, eqn, env, emit)` is `walk`'s, and
-    may emit too. Returns `(eqns, outvars)`: the equations emitted, and the atoms of `jaxpr`'s
-    outputs."""
-    eqns: list[jex.JaxprEqn] = []
-
-    def each(eqn, invars):
-        return step(eqn, invars, eqns.append)
-
-    then = None if after is None else lambda i, eqn, env: after(i, eqn, env, eqns.append)
-    outvars = walk(jaxpr, [*jaxpr.constvars, *jaxpr.invars], each, _same, then, free=True)
-    return eqns, outvars
+def rewrite(jaxpr: jex.Jaxpr, step: Step, after: After | None = None) -> list:
+    """Rewrite `jaxpr` (open): `step(eqn, invars)` emits the equations that take `eqn`'s place
+    (into a list of the caller's, any number of them; `keep` emits `eqn` as it was) and returns
+    the atoms that stand for `eqn`'s outputs after it; `after` is `walk`'s, and may emit too.
+    Returns the atoms of `jaxpr`'s outputs."""
+    return walk(jaxpr, [*jaxpr.constvars, *jaxpr.invars], step, _same, after, free=True)
 
 
 def keep(eqn: jex.JaxprEqn, invars: Sequence[Any], emit: Emit) -> list:
     """In a `rewrite`'s step: emit `eqn` as it was (reading `invars`, where they changed), and
     return its outputs."""
-    if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
-        eqn = eqn.replace(invars=list(invars))
+    if invars is not eqn.invars:
+        for a, b in zip(invars, eqn.invars):
+            if a is not b:
+                eqn = eqn.replace(invars=list(invars))
+                break
     emit(eqn)
     return eqn.outvars
 
 
 def _same(x):
     return x
-
-
-class _Env(dict):
-    """Variable -> value; with `free`, a variable not in it is its own value."""
-
-    free = False
-
-    def __missing__(self, var):
-        if self.free:
-            return var
-        raise KeyError(var)
 
 
 def equations(jaxpr: Any):

@@ -20,7 +20,7 @@ from . import python_rules as _python_rules
 from . import staging as _staging
 from .meta import StateMeta
 from .primitive import INPUT, collected, save_inter_p
-from .registry import _rules_for, flags_for, on_forget
+from .registry import _rules_for, declares_flags, flags_for, on_forget
 
 __all__ = ["acts_on", "find_saves", "find_saves_in_impl", "selecting", "traced_impl"]
 
@@ -130,8 +130,9 @@ def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
         found += find_saves(sub)
     if found:
         return found
-    runs_python = flags_for(eqn).runs_python
-    if not (_python_rules.runs_python(eqn) if runs_python is None else runs_python):
+    # What its handler declared, else statax's guess (cheap where the impl is JAX's own).
+    declared = flags_for(eqn).runs_python if declares_flags(eqn) else None
+    if not (_python_rules.runs_python(eqn) if declared is None else declared):
         return found
     return find_saves_in_impl(eqn)
 

@@ -80,6 +80,7 @@ class Flags(NamedTuple):
 
 _FLAGS: dict[jex.Primitive, Flags] = {}
 _NO_FLAGS = Flags()
+_FAMILY_FLAGS = [False]  # whether any family declared flags
 
 
 def register_handler(
@@ -188,12 +189,14 @@ def register_family(
     which `matches(eqn)` is true."""
     flags = Flags(selectable, runs_python)
     _FAMILIES.append((matches, handler, find_saves, (thread_state, runs), flags))
+    _FAMILY_FLAGS[0] = any(f[4] != _NO_FLAGS for f in _FAMILIES)
     _forget_rewrites()
 
 
 def unregister_family(matches: Callable[[jex.JaxprEqn], bool]) -> None:
     """Remove the family registered with `matches`."""
     _FAMILIES[:] = [f for f in _FAMILIES if f[0] is not matches]
+    _FAMILY_FLAGS[0] = any(f[4] != _NO_FLAGS for f in _FAMILIES)
     _forget_rewrites()
 
 
@@ -260,6 +263,12 @@ def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None
         if matches(eqn):
             return rules
     return None, None
+
+
+def declares_flags(eqn: jex.JaxprEqn) -> bool:
+    """Whether a handler declared flags for `eqn`'s primitive itself, or a family declared any
+    (a quick test before `flags_for`, which looks through the families)."""
+    return eqn.primitive in _FLAGS or _FAMILY_FLAGS[0]
 
 
 def flags_for(eqn: jex.JaxprEqn) -> Flags:

@@ -221,8 +221,10 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
     extra_in: list[jex.Var] = []
     ins: list[StateMeta] = []
     marks = iter(_marks(jaxpr)[1])  # the marks each equation holds, in order
+    eqns: list[jex.JaxprEqn] = []
+    emit = eqns.append
 
-    def step(eqn, invars, emit):
+    def step(eqn, invars):
         inner = next(marks)
         if eqn.primitive is save_inter_p:  # removed: its outputs are its operands
             meta = eqn.params["meta"]
@@ -252,7 +254,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
         ins.extend(rewrite.ins)
         return new_eqn.outvars[: len(eqn.outvars)]
 
-    eqns, outvars = rewrite_jaxpr(jaxpr, step)
+    outvars = rewrite_jaxpr(jaxpr, step)
     names = [f"statax:{m.name}" for m in outs for _ in range(m.num_arrays)]
     in_names = [f"statax:{m.name}" for m in ins for _ in range(m.num_arrays)]
     new = jaxpr.replace(

@@ -327,7 +327,10 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
         if any(variables is None for _, variables, _, _ in after)  # a primitive's outputs
     }
 
-    def step(eqn, invars, emit):
+    eqns: list = []
+    emit = eqns.append
+
+    def step(eqn, invars):
         new = eqn
         inside = reached.get(id(eqn))
         if inside is not None:
@@ -338,10 +341,10 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
             )
         return keep(new, invars, emit)
 
-    def after(i, eqn, env, emit):
+    def after(i, eqn, env):
         for name, variables, location, reduce in plan.after.get(i, ()):
             variables = eqn.outvars if variables is None else variables
-            values = [env[v] if isinstance(v, jex.Var) else v for v in variables]
+            values = [env.get(v, v) for v in variables]  # (a rewrite keeps only renames)
             meta = _meta_of(name, len(values), location, reduce)
             if selection is not None and not selection(meta):
                 continue  # not collected: no mark at all
@@ -350,6 +353,6 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
             emit(_jaxprs.new_equation(values, outs, save_inter_p, params, _SAVE_EFFECTS))
             env.update(zip(variables, outs, strict=True))
 
-    eqns, outvars = rewrite(jaxpr, step, after)
+    outvars = rewrite(jaxpr, step, after)
     effects = set(jaxpr.effects).union(*(e.effects for e in eqns))
     return jaxpr.replace(eqns=eqns, outvars=outvars, effects=effects)
