@@ -122,3 +122,27 @@ def test_a_users_mistake_shows_the_users_frames_and_none_of_statax_or_jax():
         assert not [f for f in files if f.startswith((PACKAGE, jax.__path__[0]))], how
         assert (frames[-1].filename, frames[-1].lineno) == (__file__, line), how
         assert len(frames) <= 6, (how, files)
+
+
+def test_errors_print_as_the_public_names_users_catch():
+    import traceback
+
+    for name in (
+        "SelectionError",
+        "StateError",
+        "PlantError",
+        "ReduceMismatchError",
+        "KeyCollisionError",
+        "HandlerError",
+        "UnhandledPrimitiveError",
+        "BranchMismatchError",
+        "StatefulWarning",
+    ):
+        assert getattr(stx, name).__module__ == "statax", name
+    try:
+        stx.pull(lambda x: x, only=["nothing"])(jnp.ones(2))
+    except stx.SelectionError as error:
+        shown = "".join(traceback.format_exception_only(error))
+        assert shown.startswith("statax.SelectionError: "), shown
+    else:
+        raise AssertionError("only= naming no mark must raise")
