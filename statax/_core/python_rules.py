@@ -24,19 +24,17 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
     lowered: its impl is its own Python function (not JAX's `apply_primitive`, which compiles
     the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
     equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
-    shows. Host callbacks are left out: they run on the host, on values; so are JAX's PRNG
-    primitives, whose params hold the key implementation (JAX's own functions). A handler
-    that knows better says so where it is registered (`register_handler(runs_python=...)`)."""
+    shows. A handler module that knows better says so (`register_handler(runs_python=...)`,
+    or `register_flags` by name: `handlers/callbacks.py` does for host callbacks and JAX's
+    PRNG primitives)."""
     impl = eqn.primitive.impl
-    if impl is None or eqn.primitive.name in _HOST_CALLBACKS | _PRNG:
+    if impl is None:
         return False
     if isinstance(impl, functools.partial) and impl.func is dispatch.apply_primitive:
         return False
     return any(_holds_callable(v) for v in eqn.params.values())
 
 
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback", "debug_print"})
-_PRNG = frozenset({"random_seed", "random_wrap"})
 # Callable objects in params that are not code (a `jit` equation's `ctx_mesh` is a `Mesh`,
 # which is callable).
 _NOT_CODE = (

@@ -265,16 +265,30 @@ def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None
     return None, None
 
 
+_NAMED_FLAGS: dict[str, Flags] = {}
+
+
+def register_flags(name: str, *, selectable: bool = False, runs_python: bool | None = None):
+    """Declare what the drivers need to know of the primitive called `name`, one that has no
+    handler (it holds no marks) and that JAX keeps private: `register_handler`'s flags. A host
+    callback, say, holds a Python function that runs on values on the host, never one whose
+    marks `pull` could collect: `register_flags("pure_callback", runs_python=False)`."""
+    _NAMED_FLAGS[name] = Flags(selectable, runs_python)
+    _forget_rewrites()
+
+
 def declares_flags(eqn: jex.JaxprEqn) -> bool:
-    """Whether a handler declared flags for `eqn`'s primitive itself, or a family declared any
-    (a quick test before `flags_for`, which looks through the families)."""
-    return eqn.primitive in _FLAGS or _FAMILY_FLAGS[0]
+    """Whether flags were declared for `eqn`'s primitive itself (by its handler, or by name),
+    or a family declared any (a quick test before `flags_for`, which looks through the
+    families)."""
+    return eqn.primitive in _FLAGS or eqn.primitive.name in _NAMED_FLAGS or _FAMILY_FLAGS[0]
 
 
 def flags_for(eqn: jex.JaxprEqn) -> Flags:
     """What `eqn`'s handler declared of its primitive (see `register_handler`): its
-    primitive's, else its family's, else the defaults (no handler: nothing declared)."""
-    flags = _FLAGS.get(eqn.primitive)
+    primitive's (or what `register_flags` declared by its name), else its family's, else the
+    defaults (nothing declared)."""
+    flags = _FLAGS.get(eqn.primitive) or _NAMED_FLAGS.get(eqn.primitive.name)
     if flags is not None:
         return flags
     if eqn.primitive not in _HANDLERS:

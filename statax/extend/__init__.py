@@ -44,6 +44,7 @@ from .._core.registry import Rewrite as Rewrite
 from .._core.registry import Rewritten as Rewritten
 from .._core.registry import on_forget as on_forget
 from .._core.registry import register_family as register_family
+from .._core.registry import register_flags as register_flags
 from .._core.registry import register_handler as register_handler
 from .._core.registry import register_rebinding as register_rebinding
 from .._core.registry import unregister_family as unregister_family
@@ -113,6 +114,7 @@ __all__ = [
     "register_batching_guard",
     "register_exposer",
     "register_family",
+    "register_flags",
     "register_handler",
     "register_rebinding",
     "register_rebinding",

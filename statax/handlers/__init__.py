@@ -4,6 +4,7 @@ One module per primitive family; importing this package registers them all. Each
 with what it reads from the equation's params, how intermediates leave, and its limits.
 """
 
+from statax.handlers import callbacks as callbacks
 from statax.handlers import calls as calls
 from statax.handlers import cond as cond
 from statax.handlers import custom_derivatives as custom_derivatives
