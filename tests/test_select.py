@@ -585,3 +585,55 @@ def test_a_selection_compiles_to_the_hand_marked_program():
     assert hlo_ops(selected, EQX, X) == hlo_ops(stx.pull(f), EQX_MARKED, X)
     # Unselected, nothing changes.
     assert hlo_ops(stx.pull(LINEN.apply), LINEN_PARAMS, X) == hlo_ops(LINEN.apply, LINEN_PARAMS, X)
+
+
+# ---- nested scopes in one selection (issue 34, item 3) -----------------------------------------
+
+
+def test_nested_scopes_in_one_selection_mark_both():
+    def f(x, marked=False):
+        with jax.named_scope("outer"):
+            with jax.named_scope("inner"):
+                h = jnp.sin(x)
+            if marked:
+                h = stx.save_inter(h, name="outer/inner")
+            y = h * 2
+        if marked:
+            y = stx.save_inter(y, name="outer")
+        return y + 1
+
+    want = stx.pull(lambda x: f(x, marked=True))(X)
+    for at in (stx.scopes("outer", "outer/inner"), stx.scopes("outer/inner", "outer")):
+        got = stx.pull(f, at=at)(X)
+        assert list(got[1]) == list(want[1]) == ["outer/inner_0", "outer_0"]
+        assert_tree_allclose(got, want)
+        assert_tree_allclose(jax.jit(stx.pull(f, at=at))(X), want, rtol=1e-6)
+
+
+def test_a_linen_block_and_its_layer_in_one_selection():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(4, name="dense")(x)
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = Block(name=f"block_{i}")(x)
+            return x
+
+    model = Encoder()
+    params = model.init(jax.random.PRNGKey(0), X)
+    one = stx.pull(model.apply, at=stx.scopes("Encoder/block_1", "Encoder/block_1/dense"))
+    two = stx.pull(
+        model.apply, at=[stx.scopes("Encoder/block_1"), stx.scopes("Encoder/block_1/dense")]
+    )
+    got = one(params, X)
+    assert list(got[1]) == ["Encoder/block_1/dense_0", "Encoder/block_1_0"]
+    assert_tree_allclose(got, two(params, X))
+    # by hand: the layer's output, then the block's
+    _, state = model.apply(params, X, capture_intermediates=True, mutable=["intermediates"])
+    inter = state["intermediates"]["block_1"]
+    assert_tree_allclose(got[1]["Encoder/block_1/dense_0"], inter["dense"]["__call__"][0])
+    assert_tree_allclose(got[1]["Encoder/block_1_0"], inter["__call__"][0])

@@ -89,9 +89,14 @@ def scopes(*patterns: str, reduce: str | None = None) -> Selection:
     together (a tuple where there are several), keyed by the scope's path
     (`"Model/Block_0_0"`).
 
+    Each pattern selects the outermost scope it matches on a path; patterns are regions of
+    their own, so a scope and one nested in it (`stx.scopes("Model/Block_1",
+    "Model/Block_1/Dense_0")`) both come back, as two selections would.
+
     Args:
-        *patterns: scope paths from the outermost, `/`-separated; `*` matches within one name
-            (`"Model/Block_*"`: every block), `**`-free `fnmatch` patterns.
+        *patterns: scope paths from the outermost, `/`-separated, as `fnmatch` patterns: `*`
+            matches any run of characters, `/` included (`"Model/Block_*"`: every block,
+            the outermost match on each path; `"*attn"`: a scope named `attn` anywhere).
         reduce: as `save_inter`'s.
 
     Examples:
@@ -183,7 +188,17 @@ def selections(at: Any) -> tuple[Selection, ...]:
             "at= takes a selection (stx.scopes, stx.modules, stx.primitives, stx.lines) or a "
             f"list of them; got {at!r}."
         )
-    return tuple(items)
+    # A scope nested in another is a region of its own: one selection per pattern, so that
+    # `stx.scopes("outer", "outer/inner")` marks both, as two selections do.
+    return tuple(
+        one
+        for s in items
+        for one in (
+            [dataclasses.replace(s, patterns=(p,)) for p in s.patterns]
+            if isinstance(s, Scopes) and len(s.patterns) > 1
+            else [s]
+        )
+    )
 
 
 def _describe(chosen: Sequence[Selection]) -> str:
