@@ -27,8 +27,11 @@ def sources(rev: str | None) -> dict[str, str]:
     if rev is None:
         return {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "statax").rglob("*.py")}
     files = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", rev, "statax"], cwd=ROOT, capture_output=True,
-        text=True, check=True,
+        ["git", "ls-tree", "-r", "--name-only", rev, "statax"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     return {
         f: subprocess.run(["git", "show", f"{rev}:{f}"], cwd=ROOT, capture_output=True,
@@ -85,9 +88,7 @@ def probes(text: str) -> set[str]:
         if isinstance(node, ast.Attribute) and node.attr == "__code__":
             found.add(f"bytecode: {ast.unparse(node.value)}")
         if isinstance(node, ast.FunctionDef):
-            reads = {
-                n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-            } & _FRAME_READS
+            reads = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)} & _FRAME_READS
             if reads:
                 found.add(f"frame: {node.name} ({', '.join(sorted(reads))})")
     return found
