@@ -637,3 +637,46 @@ def test_a_linen_block_and_its_layer_in_one_selection():
     inter = state["intermediates"]["block_1"]
     assert_tree_allclose(got[1]["Encoder/block_1/dense_0"], inter["dense"]["__call__"][0])
     assert_tree_allclose(got[1]["Encoder/block_1_0"], inter["__call__"][0])
+
+
+# ---- Linen blocks made in setup(), and under nn.remat (issue 34, items 2 and 4) ----------------
+
+
+class SetupBlock(nn.Module):
+    def setup(self):
+        self.dense = nn.Dense(4)
+
+    def __call__(self, x):
+        return (x + self.dense(x),)  # a tuple, as Hugging Face's blocks return
+
+
+class SetupEncoder(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(SetupBlock) if self.remat else SetupBlock
+        for i in range(2):
+            (x,) = block(name=f"block_{i}")(x)
+        return x
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_linen_blocks_made_in_setup_and_under_remat_as_flax_captures_them(remat):
+    model = SetupEncoder(remat=remat)
+    params = model.init(jax.random.PRNGKey(0), X)
+    _, state = model.apply(params, X, capture_intermediates=True, mutable=["intermediates"])
+    captured = state["intermediates"]
+    want = {f"SetupEncoder/block_{i}_0": captured[f"block_{i}"]["__call__"][0] for i in range(2)}
+    for run in (stx.pull(model.apply, at=stx.scopes("SetupEncoder/block_*")),):
+        for got in (run(params, X)[1], jax.jit(run)(params, X)[1]):
+            assert list(got) == list(want)  # no "block_0.setup" key
+            assert_tree_allclose(got, want)  # each the block's own (y,): structure kept
+            assert isinstance(got["SetupEncoder/block_0_0"], tuple)
+    # and the same values under grad outside
+    loss = lambda p, x: jnp.sum(model.apply(p, x))  # noqa: E731
+    grads, got = jax.grad(stx.pull(loss, at=stx.scopes("SetupEncoder/block_*")), has_aux=True)(
+        params, X
+    )
+    assert_tree_allclose(got, want)
+    assert_tree_allclose(grads, jax.grad(loss)(params, X))

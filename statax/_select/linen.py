@@ -9,11 +9,9 @@ import contextvars
 import dataclasses
 import sys
 
-from jax.extend import source_info_util as source_info_api
-
 from .._core.primitive import mark_as
 from .vocabulary import Scopes, Selection
-from .where import _is_transform, _outside_libraries, _scope_region
+from .where import _outside_libraries, outermost_match
 
 __all__ = ["linen_marked"]
 
@@ -36,14 +34,24 @@ def _with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
     if linen is None or marked is None:
         return call(tree, *args, **kwargs)
 
+    roots: list[str] = []  # the module the outermost call is of: the scope path's first name
+
     def interceptor(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        stack = source_info_api.current_name_stack().stack
-        names = [e.name for e in stack if not _is_transform(e)]
+        module = context.module
+        outermost = not roots
+        if outermost:
+            roots.append(module.name or type(module).__name__)  # (as Linen names its scope)
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            if outermost:
+                roots.pop()
+        if context.method_name == "setup":  # it makes submodules: no value comes out
+            return out
+        names = _scope_names(roots[0] if roots else None, module, context.method_name)
         path = "/".join(names)
         for selection in chosen:
-            region = _scope_region(selection.patterns, stack)
-            if region is not None and region[0] == path:  # this module's own scope
+            if outermost_match(selection.patterns, names) == path:  # this module's own scope
                 marked.add(path)
                 return mark_as(out, path, _outside_libraries(), selection.reduce)
         return out
@@ -66,3 +74,14 @@ def linen_marked(chosen: tuple[Selection, ...]):
         )
     finally:
         _LINEN_MARKED.reset(token)
+
+
+def _scope_names(root: str | None, module, method: str) -> list[str]:
+    """The parts of the scope path Linen runs `module.method` under: the outermost module's
+    name (`root`), the module's path, and `.method` for a method other than `__call__`. Made
+    from the modules, not read from JAX's name stack, which a lifted transformation cuts short
+    (`nn.remat`'s body is traced by `jax.checkpoint` under a name stack of its own)."""
+    names = [root or module.name or type(module).__name__, *module.path]
+    if method != "__call__":
+        names[-1] += f".{method}"
+    return names

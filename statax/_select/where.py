@@ -44,6 +44,8 @@ def _is_transform(element) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] | None:
+    """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements) that
+    one of `patterns` matches, and whether a transformation encloses it; else `None`."""
     names: list[str] = []
     transformed = False
     for element in stack:
@@ -54,6 +56,15 @@ def _scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] |
         path = "/".join(names)
         if any(fnmatch.fnmatchcase(path, p) for p in patterns):
             return path, transformed
+    return None
+
+
+def outermost_match(patterns: tuple[str, ...], names) -> str | None:
+    """The outermost path of `names` (a scope path's parts) that one of `patterns` matches."""
+    for k in range(1, len(names) + 1):
+        path = "/".join(names[:k])
+        if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            return path
     return None
 
 
