@@ -680,3 +680,45 @@ def test_linen_blocks_made_in_setup_and_under_remat_as_flax_captures_them(remat)
     )
     assert_tree_allclose(got, want)
     assert_tree_allclose(grads, jax.grad(loss)(params, X))
+
+
+# ---- Linen nn.scan (issue 34, item 1) ------------------------------------------------------------
+
+
+class ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(4, name="dense")(x)), None
+
+
+class ScanNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(
+            ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )(name="layers")
+        x, _ = layers(x, None)
+        return x
+
+
+def test_linen_nn_scan_gives_each_iterations_values_stacked():
+    model = ScanNet()
+    params = model.init(jax.random.PRNGKey(0), X)
+    dense = params["params"]["layers"]["dense"]
+    x, pre, post = X, [], []
+    for i in range(3):  # the scan by hand
+        h = x @ dense["kernel"][i] + dense["bias"][i][None]
+        x = jax.nn.relu(h)
+        pre.append(h)
+        post.append(x)
+    for run in (
+        stx.pull(model.apply, at=stx.scopes("ScanNet/layers/dense", "ScanNet/layers")),
+        jax.jit(stx.pull(model.apply, at=stx.scopes("ScanNet/layers/dense", "ScanNet/layers"))),
+    ):
+        out, got = run(params, X)
+        assert list(got) == ["ScanNet/layers/dense_0", "ScanNet/layers_0"]
+        assert_tree_allclose(got["ScanNet/layers/dense_0"], jnp.stack(pre), rtol=1e-5)
+        carry, ys = got["ScanNet/layers_0"]  # the body's (carry, y) of each iteration
+        assert ys is None
+        assert_tree_allclose(carry, jnp.stack(post), rtol=1e-5)
+        assert_tree_allclose(out, x, rtol=1e-5)
