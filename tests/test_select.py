@@ -722,3 +722,38 @@ def test_linen_nn_scan_gives_each_iterations_values_stacked():
         assert ys is None
         assert_tree_allclose(carry, jnp.stack(post), rtol=1e-5)
         assert_tree_allclose(out, x, rtol=1e-5)
+
+
+# ---- of= models that a transformation rebuilds (issue 34, item 6) ------------------------------
+
+
+class ArrayNet(eqx.Module):  # every leaf an array: jax.jit and jax.grad take it as it is
+    layers: tuple
+    marked: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.marked and i == 1:
+                x = stx.save_inter(x, name="layers[1]")
+            x = jnp.tanh(x)
+        return x
+
+
+def test_an_of_model_rebuilt_by_jit_and_grad_is_found_by_its_structure():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    net = ArrayNet(tuple(eqx.nn.Linear(4, 4, key=k) for k in keys))
+    by_hand = ArrayNet(net.layers, marked=True)
+    x = X[0]
+    f = stx.pull(lambda n, x: n(x), at=stx.modules("layers[1]", of=net))
+    want = stx.pull(lambda n, x: n(x))(by_hand, x)
+    assert list(want[1]) == ["layers[1]_0"]
+    assert_tree_allclose(f(net, x), want)
+    assert_tree_allclose(jax.jit(f)(net, x), want, rtol=1e-6)
+
+    def loss(f):
+        return lambda n, x: (lambda out, inters: (jnp.sum(out), inters))(*f(n, x))
+
+    grads, inters = jax.grad(loss(f), has_aux=True)(net, x)
+    want_grads, want_inters = jax.grad(loss(stx.pull(lambda n, x: n(x))), has_aux=True)(by_hand, x)
+    assert_tree_allclose((grads.layers, inters), (want_grads.layers, want_inters))

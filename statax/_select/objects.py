@@ -32,17 +32,32 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     """Within, the objects that the module selections of `at` select mark their calls. With
     no `call`, those of `of=` models (before `pull` flattens its arguments, so that what it
     rebuilds is of the marking class); with `call`, `(fn, tree, args, kwargs)`, those of the
-    model found there (`_roots`), for selections without `of=`."""
+    model found there (`_roots`), for selections without `of=`, and those of a copy of an
+    `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
+    there by its tree structure."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
-    for selection in at:
-        if not isinstance(selection, Modules) or (selection.of is None) == (call is None):
-            continue
-        roots = [selection.of] if call is None else _roots(*call)
-        for path in selection.paths:
-            for name, obj in _resolve_in(roots, path):
-                targets.setdefault(id(obj), (obj, name, selection))
+    recorded: list[int] = []
     swapped = []
     try:
+        for selection in at:
+            if not isinstance(selection, Modules):
+                continue
+            if call is None:  # `of=` models, as they are
+                if selection.of is None:
+                    continue
+                roots = [selection.of]
+                if id(selection.of) not in _OF_STRUCTURES:  # (the outermost pass: as given)
+                    _OF_STRUCTURES[id(selection.of)] = jax.tree_util.tree_structure(selection.of)
+                    recorded.append(id(selection.of))
+            elif selection.of is None:
+                roots = _roots(*call)
+            else:  # an `of=` model a transformation rebuilt from its leaves: by its structure
+                roots = _rebuilt(selection.of, call)
+                if not roots:
+                    continue
+            for path in selection.paths:
+                for name, obj in _resolve_in(roots, path):
+                    targets.setdefault(id(obj), (obj, name, selection))
         for obj, name, selection in targets.values():
             cls = type(obj)
             if getattr(cls, "_statax_marks", None) is None:
@@ -53,6 +68,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     finally:
         for obj, cls in swapped:
             object.__setattr__(obj, "__class__", cls)
+        for key in recorded:
+            del _OF_STRUCTURES[key]
 
 
 # The names of the selected objects called while a function is traced (`_with_modules`), and
@@ -114,6 +131,24 @@ def _is_module(x) -> bool:
         return True
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Module)
+
+
+# The tree structure of each `of=` model as it was given (before its submodules' classes were
+# swapped), by id: a copy that `jax.jit` or `jax.grad` rebuilt from its leaves has it.
+_OF_STRUCTURES: dict[int, Any] = {}
+
+
+def _rebuilt(of, call) -> list:
+    """The models among the function's and its arguments that are `of` rebuilt from its leaves
+    (by `jax.jit`, `jax.grad`, ...): another object of `of`'s tree structure."""
+    structure = _OF_STRUCTURES.get(id(of))
+    fn, tree, args, kwargs = call
+    candidates = [tree, fn, *args, *kwargs.values()]
+    return [
+        c
+        for c in candidates
+        if c is not of and _is_module(c) and jax.tree_util.tree_structure(c) == structure
+    ]
 
 
 def _roots(fn, tree, args, kwargs) -> list:
