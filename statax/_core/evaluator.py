@@ -40,7 +40,7 @@ def walk(
     jaxpr: jex.Jaxpr,
     inputs: Sequence[Any],
     step: Step,
-    literal: Callable,
+    literal: Callable | None,
     after: After | None = None,
     free: bool = False,
 ) -> list:
@@ -48,10 +48,11 @@ def walk(
     equation's outputs are `step(eqn, its inputs' values)`, and a literal's value is
     `literal(lit)`. `after(i, eqn, env)`, where given, runs once the `i`th equation's outputs
     are in `env` (variable -> value), and may change any value there (a selection marks the
-    values leaving a region). With `free` (a rewrite), values are atoms, `env` holds only the
-    variables that stand for others, and any other variable stands for itself (also one that
-    nothing in `jaxpr` defines: a rewrite of equations staged in a trace, whose variables are
-    the trace's). Returns the values of `jaxpr`'s outputs."""
+    values leaving a region). With `free` (a rewrite), values are atoms, a literal stands for
+    itself (`literal` is not used), `env` holds only the variables that stand for others
+    (`inputs` renames `jaxpr`'s constvars and invars, where given), and any other variable
+    stands for itself (also one that nothing in `jaxpr` defines: a rewrite of equations staged
+    in a trace, whose variables are the trace's). Returns the values of `jaxpr`'s outputs."""
     lit = jex.Literal
     if free:  # (a rewrite: `env` holds only the variables that stand for others)
         env = {v: x for v, x in zip([*jaxpr.constvars, *jaxpr.invars], inputs) if v is not x}
@@ -125,7 +126,7 @@ def rewrite(jaxpr: jex.Jaxpr, step: Step, after: After | None = None) -> list:
     (into a list of the caller's, any number of them; `keep` emits `eqn` as it was) and returns
     the atoms that stand for `eqn`'s outputs after it; `after` is `walk`'s, and may emit too.
     Returns the atoms of `jaxpr`'s outputs."""
-    return walk(jaxpr, [*jaxpr.constvars, *jaxpr.invars], step, _same, after, free=True)
+    return walk(jaxpr, (), step, None, after, free=True)
 
 
 def keep(eqn: jex.JaxprEqn, invars: Sequence[Any], emit: Emit) -> list:
@@ -138,10 +139,6 @@ def keep(eqn: jex.JaxprEqn, invars: Sequence[Any], emit: Emit) -> list:
                 break
     emit(eqn)
     return eqn.outvars
-
-
-def _same(x):
-    return x
 
 
 def equations(jaxpr: Any):

@@ -28,6 +28,7 @@ from jax.extend import core as jex
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
+from .batching import register_batching_guard
 from .errors import StateError
 from .evaluator import bind_equation, equations, evaluate
 from .exposers import inert, map_jaxprs, mark, split_leaves, take
@@ -36,7 +37,7 @@ from .primitive import IDLE, _stage
 from .registry import handler_for, rebinding_for, state_rules_for
 from .state import _kind, get_state_p, set_state_p
 
-__all__ = ["Threading", "run", "threads_state"]
+__all__ = ["Threading", "refuse_batched_state", "run"]
 
 
 # ---- the threading interpreter --------------------------------------------------------------
@@ -431,10 +432,24 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
     return list(flat[:n])
 
 
-def threads_state(params: dict) -> bool:
-    """Whether `stx.stateful` is threading state and a jaxpr in `params` reads or sets it:
-    for a batching guard that refuses to batch a primitive whose functions would all run
-    (see `register_batching_guard`)."""
-    if _context.STATEFUL.value is None:
-        return False
-    return any(_names(j).reads or _names(j).writes for j in _jaxprs.jaxprs_in_params(params))
+def refuse_batched_state(
+    primitive: jex.Primitive, predicate_batched: Callable, *, what: str, runs: str
+) -> None:
+    """Refuse, inside `stx.stateful`, to batch an equation of `primitive` (a `what`) whose
+    jaxprs read or set state where `predicate_batched(axis_data, params, dims)`: JAX then runs
+    `runs` ("every branch") for every example and selects, so each would set the state. A
+    `StateError` says so, not a silently wrong state (see `register_batching_guard`)."""
+
+    def guard(axis_data, dims, params):
+        if _context.STATEFUL.value is None or not any(
+            _names(j).reads or _names(j).writes for j in _jaxprs.jaxprs_in_params(params)
+        ):
+            return
+        if predicate_batched(axis_data, params, dims):
+            raise StateError(
+                f"A {what} whose predicate differs per example of a vmap reads or sets state "
+                f"inside stx.stateful: JAX runs {runs} for every example, so each would set "
+                "it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
+            )
+
+    register_batching_guard(primitive, guard)

@@ -36,8 +36,16 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
     there by its tree structure."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
-    recorded: list[int] = []
     swapped = []
+    token = None
+    if call is None:  # (the outermost pass: the `of=` models' structures, as given)
+        given = _OF_STRUCTURES.get()
+        new = {
+            id(s.of): jax.tree_util.tree_structure(s.of)
+            for s in at
+            if isinstance(s, Modules) and s.of is not None and id(s.of) not in given
+        }
+        token = _OF_STRUCTURES.set({**given, **new}) if new else None
     try:
         for selection in at:
             if not isinstance(selection, Modules):
@@ -46,9 +54,6 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                 if selection.of is None:
                     continue
                 roots = [selection.of]
-                if id(selection.of) not in _OF_STRUCTURES:  # (the outermost pass: as given)
-                    _OF_STRUCTURES[id(selection.of)] = jax.tree_util.tree_structure(selection.of)
-                    recorded.append(id(selection.of))
             elif selection.of is None:
                 roots = _roots(*call)
             else:  # an `of=` model a transformation rebuilt from its leaves: by its structure
@@ -68,8 +73,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     finally:
         for obj, cls in swapped:
             object.__setattr__(obj, "__class__", cls)
-        for key in recorded:
-            del _OF_STRUCTURES[key]
+        if token is not None:
+            _OF_STRUCTURES.reset(token)
 
 
 # The names of the selected objects called while a function is traced (`_with_modules`), and
@@ -133,15 +138,18 @@ def _is_module(x) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
-# The tree structure of each `of=` model as it was given (before its submodules' classes were
-# swapped), by id: a copy that `jax.jit` or `jax.grad` rebuilt from its leaves has it.
-_OF_STRUCTURES: dict[int, Any] = {}
+# While a `pull` runs: the tree structure of each `of=` model as it was given (before its
+# submodules' classes were swapped), by id: a copy that `jax.jit` or `jax.grad` rebuilt from
+# its leaves has it.
+_OF_STRUCTURES: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "statax_of_structures", default={}
+)
 
 
 def _rebuilt(of, call) -> list:
     """The models among the function's and its arguments that are `of` rebuilt from its leaves
     (by `jax.jit`, `jax.grad`, ...): another object of `of`'s tree structure."""
-    structure = _OF_STRUCTURES.get(id(of))
+    structure = _OF_STRUCTURES.get().get(id(of))
     fn, tree, args, kwargs = call
     candidates = [tree, fn, *args, *kwargs.values()]
     return [

@@ -47,24 +47,30 @@ def _scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] |
     """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements) that
     one of `patterns` matches, and whether a transformation encloses it; else `None`."""
     names: list[str] = []
+    enclosed: list[bool] = []  # per name: whether a transformation comes before it
     transformed = False
     for element in stack:
         if _is_transform(element):
             transformed = True
-            continue
-        names.append(element.name)
-        path = "/".join(names)
-        if any(fnmatch.fnmatchcase(path, p) for p in patterns):
-            return path, transformed
-    return None
+        else:
+            names.append(element.name)
+            enclosed.append(transformed)
+    k = _outermost(patterns, names)
+    return None if k is None else ("/".join(names[:k]), enclosed[k - 1])
 
 
-def outermost_match(patterns: tuple[str, ...], names) -> str | None:
+def outermost_match(patterns: tuple[str, ...], names: list[str]) -> str | None:
     """The outermost path of `names` (a scope path's parts) that one of `patterns` matches."""
+    k = _outermost(patterns, names)
+    return None if k is None else "/".join(names[:k])
+
+
+def _outermost(patterns: tuple[str, ...], names: list[str]) -> int | None:
+    """How many of `names` the outermost path that one of `patterns` matches has."""
     for k in range(1, len(names) + 1):
         path = "/".join(names[:k])
         if any(fnmatch.fnmatchcase(path, p) for p in patterns):
-            return path
+            return k
     return None
 
 

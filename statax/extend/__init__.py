@@ -55,7 +55,7 @@ from .._core.rewrite import pull_jaxpr as pull_jaxpr
 from .._core.rewrite import pull_open_jaxpr as pull_open_jaxpr
 from .._core.rewrite import restage_equation as restage_equation
 from .._core.thread_state import Threading as Threading
-from .._core.thread_state import threads_state as threads_state
+from .._core.thread_state import refuse_batched_state as refuse_batched_state
 from .._jax.jaxprs import bind as bind
 from .._jax.jaxprs import dce as dce
 from .._jax.jaxprs import trace as trace
@@ -111,18 +111,17 @@ __all__ = [
     "pulled_with_rule",
     "pulling",
     "reductions",
+    "refuse_batched_state",
     "register_batching_guard",
     "register_exposer",
     "register_family",
     "register_flags",
     "register_handler",
     "register_rebinding",
-    "register_rebinding",
     "restage_equation",
     "save_inter_p",
     "split_leaves",
     "take",
-    "threads_state",
     "trace",
     "trace_impl",
     "traced_impl",

@@ -31,11 +31,10 @@ from statax.extend import (
     occurrences,
     params,
     pull_jaxpr,
-    register_batching_guard,
+    refuse_batched_state,
     register_exposer,
     split_leaves,
     take,
-    threads_state,
     trace,
 )
 
@@ -167,16 +166,7 @@ register_exposer(
 )
 
 
-def _refuse_batched_predicate(axis_data, dims, eqn_params):
-    # JAX batches a `cond` whose predicate differs per example by running every branch for
-    # every example and selecting: each branch's `set_state` would run for every example.
-    # Inside `stateful` that is an error, not a silently wrong state.
-    if dims[0] is not None and threads_state(eqn_params):
-        raise StateError(
-            "A cond whose predicate differs per example of a vmap reads or sets state inside "
-            "stx.stateful: JAX runs every branch for every example, so each would set it. "
-            "Apply the vmap outside: jax.vmap(stx.stateful(f))."
-        )
-
-
-register_batching_guard(cond_p, _refuse_batched_predicate)
+# A batched predicate: JAX runs every branch for every example and selects.
+refuse_batched_state(
+    cond_p, lambda axis_data, params, dims: dims[0] is not None, what="cond", runs="every branch"
+)

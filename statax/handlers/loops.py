@@ -52,13 +52,12 @@ from statax.extend import (
     params,
     pull_jaxpr,
     reductions,
-    register_batching_guard,
+    refuse_batched_state,
     register_exposer,
     register_handler,
     restage_equation,
     split_leaves,
     take,
-    threads_state,
 )
 from statax.extend import equinox as equinox_internals
 
@@ -314,18 +313,6 @@ def _while_state(eqn, invals, threading):
 register_exposer(while_p, _while_exposer, thread_state=_while_state, **_LOOP)
 
 
-def _refuse_batched_predicate(axis_data, dims, eqn_params):
-    # JAX batches a `while_loop` whose predicate differs per example by running every
-    # iteration for every example and selecting: each `set_state` would run for every example.
-    # Inside `stateful` that is an error, not a silently wrong state.
-    if threads_state(eqn_params) and _predicate_batched(axis_data, eqn_params, dims):
-        raise StateError(
-            "A while_loop whose predicate differs per example of a vmap reads or sets state "
-            "inside stx.stateful: JAX runs every iteration for every example, so each would "
-            "set it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
-        )
-
-
 def _predicate_batched(axis_data, eqn_params, dims) -> bool:
     cond, body, cn, bn = params.while_parts(eqn_params)
     batched = [d is not None for d in dims]
@@ -339,7 +326,8 @@ def _predicate_batched(axis_data, eqn_params, dims) -> bool:
     return batched_outputs(cond, axis_data, [*cconsts, *carry])[0]
 
 
-register_batching_guard(while_p, _refuse_batched_predicate)
+# A predicate batched after any number of iterations: JAX runs every iteration for every example.
+refuse_batched_state(while_p, _predicate_batched, what="while_loop", runs="every iteration")
 
 
 # ---- equinox's loops: how they look in a jaxpr (equinox 0.13, `equinox.internal._loop`) --------
