@@ -2,6 +2,8 @@ import os
 
 # Several CPU devices for sharding and shard_map tests; must be set before JAX is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Keras 3 runs on JAX here (the test extra installs Keras, not TensorFlow).
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 

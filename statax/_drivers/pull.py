@@ -31,9 +31,9 @@ from .._jax import params as _params
 from .._jax import primitives as _primitives
 from .._jax import tracing as _tracing
 from .._select import calling as _calling
-from .._select import linen as _linen
 from .._select import objects as _objects
 from .._select import places as _places
+from .._select import running as _running
 from .._select import vocabulary as _vocabulary
 from . import nnx as _nnx
 from . import planting as _plant
@@ -314,7 +314,7 @@ def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
             _context.PULLING(True),
             _context.RAN_MASKS(ran),
             collecting(collector),
-            _linen.linen_marked(in_program) as chosen,
+            _running.run_marked(in_program) as chosen,
         ):
             collector.trace = trace
             out = call(tree, *args, **kwargs)
@@ -397,7 +397,7 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _
     source = root.__call__ if isinstance(root, type) else root
     # (`selecting`: in force where marks are bound, as in rebatched loops, and for the rewrite)
     with selecting(only), _objects.calls_checked(lambda: metas, only):
-        with _context.PULLING(True), collecting(collector), _linen.linen_marked(in_program) as sel:
+        with _context.PULLING(True), collecting(collector), _running.run_marked(in_program) as sel:
             closed = _jaxprs.trace(run, avals, "pull", source)
         n = len(closed.jaxpr.outvars) - len(collector.leaves)  # the function's own outputs
         marks = collector.marks

@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from .linen import _with_linen
+from .keras import with_keras
+from .linen import with_linen
 from .objects import _with_modules
 from .places import _with_places
 from .vocabulary import Modules, Scopes, Selection
@@ -22,7 +23,8 @@ def calling(call: Callable, at: tuple[Selection, ...], *, objects: bool, fn=None
     if objects:
         scopes = tuple(s for s in at if isinstance(s, Scopes))
         if scopes:
-            call = functools.partial(_with_linen, call, scopes)
+            call = functools.partial(with_linen, call, scopes)
+            call = functools.partial(with_keras, call, scopes)
         chosen = tuple(s for s in at if isinstance(s, Modules))
         return call if not chosen else functools.partial(_with_modules, call, chosen, fn)
     chosen = tuple(s for s in at if not isinstance(s, Modules))

@@ -4,33 +4,23 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import sys
 
-from .._core.primitive import mark_as
-from .vocabulary import Scopes, Selection
-from .where import _outside_libraries, outermost_match
+from .running import mark_selected, marking
+from .vocabulary import Scopes
 
-__all__ = ["linen_marked"]
+__all__ = ["with_linen"]
 
 
-# ---- Flax Linen modules: their scopes marked where they run ------------------------------------
-#
 # Linen runs each module method under a named scope of its path (`Model/Block_0`), and lets an
-# interceptor run inside that scope (`nn.intercept_methods`). A selected scope that is a
-# module's is marked there, on the method's output, as it runs: inside a `vmap` or a derivative
-# as a `save_inter` at the end of the method would be. The program-level pass then skips it.
-
-_LINEN_MARKED: contextvars.ContextVar[set | None] = contextvars.ContextVar(
-    "statax_linen_marked", default=None
-)
+# interceptor run inside that scope (`nn.intercept_methods`).
 
 
-def _with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
+def with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
+    """`call(tree, *args, **kwargs)` with the Linen modules whose scopes `chosen` selects
+    marked as they run."""
     linen = sys.modules.get("flax.linen")
-    marked = _LINEN_MARKED.get()
+    marked = marking()
     if linen is None or marked is None:
         return call(tree, *args, **kwargs)
 
@@ -49,31 +39,10 @@ def _with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
         if context.method_name == "setup":  # it makes submodules: no value comes out
             return out
         names = _scope_names(roots[0] if roots else None, module, context.method_name)
-        path = "/".join(names)
-        for selection in chosen:
-            if outermost_match(selection.patterns, names) == path:  # this module's own scope
-                marked.add(path)
-                return mark_as(out, path, _outside_libraries(), selection.reduce)
-        return out
+        return mark_selected(chosen, names, out, marked)
 
     with linen.intercept_methods(interceptor):
         return call(tree, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def linen_marked(chosen: tuple[Selection, ...]):
-    """Within, the Linen modules whose scopes `chosen` selects are marked as they run; yields
-    `chosen` as a function of nothing, for once they have run: its scope selections then skip
-    the scopes marked so."""
-    marked: set = set()
-    token = _LINEN_MARKED.set(marked)
-    try:
-        yield lambda: tuple(
-            dataclasses.replace(s, marked=frozenset(marked)) if isinstance(s, Scopes) else s
-            for s in chosen
-        )
-    finally:
-        _LINEN_MARKED.reset(token)
 
 
 def _scope_names(root: str | None, module, method: str) -> list[str]:

@@ -9,6 +9,7 @@ import contextvars
 import functools
 import re
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,8 +68,11 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
             cls = type(obj)
             if getattr(cls, "_statax_marks", None) is None:
                 marking = _marking(cls, name, selection.inputs, selection.reduce)
+                node = not _is_leaf(obj)
                 object.__setattr__(obj, "__class__", marking)
                 swapped.append((obj, cls))
+                if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai, ...)
+                    _register_as(marking, cls)
         yield [name for _, name, _ in targets.values()]
     finally:
         for obj, cls in swapped:
@@ -131,11 +135,51 @@ def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
 
 
 def _is_module(x) -> bool:
-    """Whether `x` is an `eqx.Module` or a Flax NNX module (not one of its variables)."""
+    """Whether `x` is a model: an `eqx.Module`, a Flax NNX module (not one of its variables),
+    or another callable object that is a pytree node (a penzai layer, a dataclass registered
+    with `jax.tree_util`), not a function."""
     if isinstance(x, eqx.Module):
         return True
     nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)
+    if nnx is not None and isinstance(x, nnx.Module):
+        return True
+    return callable(x) and not isinstance(x, _NOT_MODELS) and not _is_leaf(x)
+
+
+_NOT_MODELS = (type, types.FunctionType, types.MethodType, functools.partial, jax.tree_util.Partial)
+
+
+def _is_leaf(x) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+def _register_as(marking: type, cls: type) -> None:
+    """Make `marking` (a subclass of `cls` that marks its calls) the pytree node `cls` is, for
+    JAX's registry goes by exact class: flattened as `cls` flattens (one level, with its keys),
+    and unflattened to `cls` and then to `marking`. Without this, a marked layer is a leaf, and
+    a transformation that slices its parameters (penzai's `LayerStack` under `lax.scan`) skips
+    them. (Once per marking class; JAX keeps registrations for good.)"""
+
+    def flatten_with_keys(obj):
+        object.__setattr__(obj, "__class__", cls)
+        try:
+            pairs, treedef = jax.tree_util.tree_flatten_with_path(
+                obj, is_leaf=lambda x: x is not obj
+            )
+        finally:
+            object.__setattr__(obj, "__class__", marking)
+        return [(path[0], child) for path, child in pairs], treedef
+
+    def unflatten(treedef, children):
+        obj = jax.tree_util.tree_unflatten(treedef, children)
+        object.__setattr__(obj, "__class__", marking)
+        return obj
+
+    def flatten(obj):
+        pairs, treedef = flatten_with_keys(obj)
+        return [child for _, child in pairs], treedef
+
+    jax.tree_util.register_pytree_with_keys(marking, flatten_with_keys, unflatten, flatten)
 
 
 # While a `pull` runs: the tree structure of each `of=` model as it was given (before its
@@ -219,7 +263,14 @@ def _children(obj) -> list[tuple[str, Any]]:
 def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any]]:
     children = _children(obj)
     if step == "*":
-        return [(_join(name, c), v) for c, v in children if not c.startswith(".")]
+        items = [(_join(name, c), v) for c, v in children if not c.startswith(".")]
+        if items:
+            return items
+        raise SelectionError(
+            f"stx.modules({path!r}): '*' selects the items of a list, tuple or dict, and "
+            f"{type(obj).__name__} at {name or 'the model'!r} is none. Name one of its fields: "
+            f"{closest(_join(name, '.'), [_join(name, c) for c, _ in children])}."
+        )
     for child, value in children:
         if child in (f".{step}", f"[{step}]", f"['{step}']"):
             return [(_join(name, child), value)]

@@ -24,8 +24,8 @@ from .._core.meta import ARRAY, StateMeta
 from .._core.primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter_p
 from .._core.registry import flags_for
 from .._jax import jaxprs as _jaxprs
-from .linen import linen_marked
 from .report import _check_found
+from .running import run_marked
 from .vocabulary import Primitives, Scopes, Selection, _describe
 from .where import _holds_jaxprs, _is_transform, _location, _stack_of, _walk
 
@@ -41,10 +41,10 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
     out_info: list = []
     flat = flat_function(call, leaves, treedef, dynamic, out_info)
     arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
-    with linen_marked(chosen) as after_marking:
+    with run_marked(chosen) as after_marking:
         closed = _jaxprs.trace(flat, [jax.typeof(x) for x in arrays], name="select")
-    _check_found((closed.jaxpr if _jaxprs.wraps_jaxpr(closed) else closed).eqns, chosen)
     chosen = after_marking()
+    _check_found((closed.jaxpr if _jaxprs.wraps_jaxpr(closed) else closed).eqns, chosen)
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
     out_def, static = out_info[0]
     full = [next(outs) if s is None else s[0] for s in static]

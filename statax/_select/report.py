@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import fnmatch
 from collections.abc import Sequence
 
 from .._core.errors import SelectionError
@@ -26,7 +27,13 @@ def _wanted(selection) -> list:
 def _check_found(eqns: Sequence, chosen: tuple) -> None:
     """Raise where a pattern, primitive or place of `chosen` matches nothing in `eqns` (at
     any depth)."""
-    found: set = set()
+    found: set = {  # (a scope marked as its module ran, which may make no equations)
+        (s, p)
+        for s in chosen
+        if isinstance(s, Scopes)
+        for p in s.patterns
+        if any(fnmatch.fnmatchcase(path, p) for path in s.marked)
+    }
     wanted = sum(len(_wanted(s)) for s in chosen)
     for stack, eqn in _walk_eqns(eqns, ()):
         if len(found) == wanted:

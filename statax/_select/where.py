@@ -115,11 +115,20 @@ def _short(location: str) -> str:
     return f"{file.rsplit('/', 1)[-1]}:{line}"
 
 
-_LIBRARIES = ("/flax/", "/jax/", "/statax/", "/equinox/", "/contextlib.py")
+_LIBRARIES = (
+    "/flax/",
+    "/jax/",
+    "/statax/",
+    "/equinox/",
+    "/keras/",
+    "/penzai/",
+    "/transformers/",
+    "/contextlib.py",
+)
 
 
 def _outside_libraries() -> str:
-    """`"file:line"` of the innermost frame outside Flax, JAX, equinox and statax."""
+    """`"file:line"` of the innermost frame outside statax, JAX and the model libraries."""
     frame = sys._getframe(2)
     while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
         frame = frame.f_back

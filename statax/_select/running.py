@@ -1,0 +1,56 @@
+"""Modules of libraries that name their scopes after them (Flax Linen, Keras), selected by scope
+path and marked where they run, on their method's output: inside a `vmap` or a derivative as a
+`save_inter` at the end of the method would be, in the structure the method returns. The
+program-level pass then skips those scopes. How each library is reached: `linen.py`,
+`keras.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+from .._core.primitive import mark_as
+from .vocabulary import Scopes, Selection
+from .where import _outside_libraries, outermost_match
+
+__all__ = ["mark_selected", "run_marked"]
+
+
+# The scope paths marked as their modules ran, in the current `pull` (`None` outside one).
+_RUN_MARKED: contextvars.ContextVar[set | None] = contextvars.ContextVar(
+    "statax_run_marked", default=None
+)
+
+
+def marking() -> set | None:
+    """The set to add the paths marked as their modules run to; `None` outside a `pull`."""
+    return _RUN_MARKED.get()
+
+
+def mark_selected(chosen: tuple[Scopes, ...], names: list[str], out, marked: set):
+    """`out`, a module's output, marked where one of `chosen` selects its scope path (`names`,
+    its parts) itself, rather than a scope around it."""
+    path = "/".join(names)
+    for selection in chosen:
+        if outermost_match(selection.patterns, names) == path:
+            marked.add(path)
+            return mark_as(out, path, _outside_libraries(), selection.reduce)
+    return out
+
+
+@contextlib.contextmanager
+def run_marked(chosen: tuple[Selection, ...]):
+    """Within, the modules whose scopes `chosen` selects are marked as they run; yields
+    `chosen` as a function of nothing, for once they have run: its scope selections then skip
+    the scopes marked so."""
+    marked: set = set()
+    token = _RUN_MARKED.set(marked)
+    try:
+        yield lambda: tuple(
+            dataclasses.replace(s, marked=frozenset(marked)) if isinstance(s, Scopes) else s
+            for s in chosen
+        )
+    finally:
+        _RUN_MARKED.reset(token)
