@@ -124,6 +124,28 @@ def test_pulls_dict_displays_as_a_table_in_an_ipython_kernel_and_other_dicts_as_
         assert shell.display_formatter.format({"mine": 1})[0]["text/html"] == "<b>theirs</b>"
         assert "text/html" not in shell.display_formatter.format({"a": 1})[0]
         assert "text/html" not in shell.display_formatter.format(dict(inters, plain=1))[0]
+        shapes = {k: v.shape for k, v in inters.items()}  # (its keys are pull's, not its values)
+        assert "text/html" not in shell.display_formatter.format(shapes)[0]
+    finally:
+        InteractiveShell.clear_instance()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_in_a_notebook_a_mark_typed_into_a_cell_is_located_by_its_cell():
+    """As IPython's tracebacks show it ("Cell In[1], line 2"), not by the file IPython gives
+    the cell."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        cell = "import statax as stx, jax.numpy as jnp\ndef f(x):\n    return stx.save_inter(x, name='h')\n"
+        result = shell.run_cell(cell, store_history=True)
+        assert result.success
+        f = shell.user_ns["f"]
+        (key,) = stx.pull(f)(jnp.ones(2))[1]
+        number = shell.execution_count - 1
+        assert key.location == f"Cell In[{number}], line 3"
+        assert f"Cell In[{number}], line 3" in str(stx.describe(stx.pull(f)(jnp.ones(2))[1]))
     finally:
         InteractiveShell.clear_instance()
 

@@ -41,6 +41,7 @@ from . import jax_rules as _jax_rules
 from . import staging as _staging
 from .meta import ARRAY, NUMBERS, StateMeta, number_as_array, split
 from .reduce import MODES
+from .tracebacks import place
 
 __all__ = [
     "COLLECTING",
@@ -83,7 +84,7 @@ def _caller_location() -> str:
 
 
 def _location(code, line: int) -> str:
-    return "<unknown>" if code is None else f"{code.co_filename}:{line}"
+    return "<unknown>" if code is None else place(code.co_filename, line)
 
 
 def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) -> T:

@@ -224,6 +224,22 @@ def rebinding_for(eqn: jex.JaxprEqn) -> Callable | None:
     return _REBINDINGS.get(eqn.primitive.name)
 
 
+_TRIPS: dict[str, Callable[[jex.JaxprEqn], int | None]] = {}
+
+
+def register_trips(name: str, rule: Callable[[jex.JaxprEqn], int | None]) -> None:
+    """Tell `stx.sites` how many times an equation of the primitive called `name` runs its
+    inner jaxprs per run of its own: `rule(eqn) -> int`, or `None` where that is not known when
+    it is traced (a `while_loop`). Without a rule, once."""
+    _TRIPS[name] = rule
+
+
+def trips_for(eqn: jex.JaxprEqn) -> int | None:
+    """How many times `eqn` runs its inner jaxprs (`register_trips`; 1 without a rule)."""
+    rule = _TRIPS.get(eqn.primitive.name)
+    return 1 if rule is None else rule(eqn)
+
+
 def on_unregister(callback: Callable[[jex.Primitive], None]) -> None:
     """Call `callback(primitive)` whenever a primitive's handler is removed (for what was
     installed with it elsewhere: a batching rule)."""

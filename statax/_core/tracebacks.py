@@ -15,6 +15,7 @@ Private names (`jax._src.traceback_util`, checked on JAX 0.8.0 -- 0.12.0.1): `re
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,3 +37,14 @@ def boundary(fn: F) -> F:
 
 if _register_exclusion is not None:
     _register_exclusion(PACKAGE)
+
+
+def place(file: str, line: int) -> str:
+    """`"file:line"`, or in a notebook, for code typed into a cell, `"Cell In[3], line 6"`, as
+    IPython's own tracebacks show it (its public `compile.format_code_name`; the file that
+    IPython gives a cell, `/tmp/ipykernel_.../2730016506.py`, means nothing to a user)."""
+    ipython = sys.modules.get("IPython")  # (never imported here: a notebook has it already)
+    shell = ipython.get_ipython() if ipython is not None else None
+    named = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    label = named(file) if named is not None else None
+    return f"{file}:{line}" if not label else f"{label[0]} {label[1]}, line {line}"

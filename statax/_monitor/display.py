@@ -174,8 +174,17 @@ def _html_table(rows: list[_Row]) -> str:
 
 
 def is_pulled(obj: Any) -> bool:
-    """Whether `obj` is a dict that `pull` (or `grad_inters`) returned: every key a `Key`."""
-    return type(obj) is dict and bool(obj) and all(isinstance(k, Key) for k in obj)
+    """Whether `obj` is a dict that `pull` (or `grad_inters`) returned: every key a `Key`, and
+    every value made of arrays (not a dict made from one, `{k: v.shape for k, v in ...}`)."""
+    return (
+        type(obj) is dict
+        and bool(obj)
+        and all(isinstance(k, Key) for k in obj)
+        and all(isinstance(leaf, _ARRAYS) for leaf in jax.tree_util.tree_leaves(list(obj.values())))
+    )
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
 def register_notebook_display() -> bool:

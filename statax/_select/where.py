@@ -14,6 +14,7 @@ from typing import Any
 from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 
+from .._core.tracebacks import place
 from .._jax import jaxprs as _jaxprs
 
 
@@ -132,4 +133,4 @@ def _outside_libraries() -> str:
     frame = sys._getframe(2)
     while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
         frame = frame.f_back
-    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return "<unknown>" if frame is None else place(frame.f_code.co_filename, frame.f_lineno)

@@ -47,6 +47,7 @@ from .._core.registry import register_family as register_family
 from .._core.registry import register_flags as register_flags
 from .._core.registry import register_handler as register_handler
 from .._core.registry import register_rebinding as register_rebinding
+from .._core.registry import register_trips as register_trips
 from .._core.registry import unregister_family as unregister_family
 from .._core.registry import unregister_handler as unregister_handler
 from .._core.rewrite import call_equation as call_equation
@@ -118,6 +119,7 @@ __all__ = [
     "register_flags",
     "register_handler",
     "register_rebinding",
+    "register_trips",
     "restage_equation",
     "save_inter_p",
     "split_leaves",

@@ -55,6 +55,7 @@ from statax.extend import (
     refuse_batched_state,
     register_exposer,
     register_handler,
+    register_trips,
     restage_equation,
     split_leaves,
     take,
@@ -242,6 +243,7 @@ def _scan_state(eqn, invals, threading):
 
 
 register_handler(scan_p, _scan_handler, thread_state=_scan_state, **_LOOP)
+register_trips(scan_p.name, lambda eqn: eqn.params["length"])
 
 
 def _while_exposer(*args, **eqn_params):
@@ -311,6 +313,7 @@ def _while_state(eqn, invals, threading):
 
 
 register_exposer(while_p, _while_exposer, thread_state=_while_state, **_LOOP)
+register_trips(while_p.name, lambda eqn: None)  # (as many as its predicate says)
 
 
 def _predicate_batched(axis_data, eqn_params, dims) -> bool:
