@@ -138,7 +138,7 @@ def test_in_a_notebook_a_mark_typed_into_a_cell_is_located_by_its_cell():
 
     shell = InteractiveShell.instance()
     try:
-        cell = "import statax as stx, jax.numpy as jnp\ndef f(x):\n    return stx.save_inter(x, name='h')\n"
+        cell = "import statax as stx\ndef f(x):\n    return stx.save_inter(x, name='h')\n"
         result = shell.run_cell(cell, store_history=True)
         assert result.success
         f = shell.user_ns["f"]
