@@ -25,6 +25,9 @@ from ._drivers.interventions import grad_inters as grad_inters
 from ._drivers.interventions import plant as plant
 from ._drivers.naming import Key as Key
 from ._drivers.pull import pull as pull
+from ._drivers.sites import Site as Site
+from ._drivers.sites import Sites as Sites
+from ._drivers.sites import sites as sites
 from ._drivers.stateful import stateful as stateful
 from ._monitor import display as _display
 from ._monitor.display import describe as describe
@@ -58,6 +61,8 @@ __all__ = [
     "PlantError",
     "ReduceMismatchError",
     "SelectionError",
+    "Site",
+    "Sites",
     "StateError",
     "StateMeta",
     "StatefulWarning",
@@ -81,6 +86,7 @@ __all__ = [
     "scope",
     "scopes",
     "set_state",
+    "sites",
     "stateful",
     "stats",
     "to_dataframe",

@@ -22,7 +22,14 @@ from .._core.primitive import save_inter
 from .report import closest
 from .vocabulary import Modules, Selection, _describe
 
-__all__ = ["calls_checked", "objects_marked"]
+__all__ = [
+    "calls_checked",
+    "calls_recorded",
+    "model_roots",
+    "module_paths",
+    "objects_marked",
+    "uncalled_tolerated",
+]
 
 
 # ---- objects ---------------------------------------------------------------------------------
@@ -33,7 +40,7 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     """Within, the objects that the module selections of `at` select mark their calls. With
     no `call`, those of `of=` models (before `pull` flattens its arguments, so that what it
     rebuilds is of the marking class); with `call`, `(fn, tree, args, kwargs)`, those of the
-    model found there (`_roots`), for selections without `of=`, and those of a copy of an
+    model found there (`model_roots`), for selections without `of=`, and those of a copy of an
     `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
     there by its tree structure."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
@@ -56,7 +63,7 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                     continue
                 roots = [selection.of]
             elif selection.of is None:
-                roots = _roots(*call)
+                roots = model_roots(*call)
             else:  # an `of=` model a transformation rebuilt from its leaves: by its structure
                 roots = _rebuilt(selection.of, call)
                 if not roots:
@@ -84,7 +91,9 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
 # The names of the selected objects called while a function is traced (`_with_modules`), and
 # those of the ones it did not call, for `pull` to check against the marks it found
 # (`calls_checked`).
-_CALLED: contextvars.ContextVar[set | None] = contextvars.ContextVar("statax_called", default=None)
+_CALLED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "statax_called", default=None
+)  # (a dict: in the order called)
 _UNCALLED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "statax_uncalled", default=None
 )
@@ -105,6 +114,10 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
         _UNCALLED.reset(token)
     if not uncalled or only is not None:
         return
+    tolerated = _TOLERATED.get()
+    if tolerated is not None:  # (`stx.sites`: what is not called is not listed)
+        tolerated.extend(name for name, _ in uncalled)
+        return
     names = {m.name for m in metas()}
     missing = [(name, chosen) for name, chosen in uncalled if name not in names]
     if missing:
@@ -117,8 +130,54 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
         )
 
 
+_TOLERATED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "statax_uncalled_tolerated", default=None
+)
+
+
+@contextlib.contextmanager
+def uncalled_tolerated():
+    """Within, a selected submodule that the function does not call is no error; yields the
+    list of their names, once `pull` has traced."""
+    names: list = []
+    token = _TOLERATED.set(names)
+    try:
+        yield names
+    finally:
+        _TOLERATED.reset(token)
+
+
+@contextlib.contextmanager
+def calls_recorded():
+    """Within, the selected objects record their calls; yields their names, in the order
+    first called (`stx.sites` lists modules so)."""
+    called: dict = {}
+    token = _CALLED.set(called)
+    try:
+        yield called
+    finally:
+        _CALLED.reset(token)
+
+
+def module_paths(root, limit: int = 4096) -> list[str]:
+    """The paths (`"blocks[0].mlp"`) of the callable models inside `root`, outermost first,
+    as `stx.modules` takes them: what `stx.sites` lists."""
+    paths, seen, queue = [], {id(root)}, [("", root)]
+    while queue and len(paths) < limit:
+        name, obj = queue.pop(0)
+        for child, value in _children(obj):
+            if id(value) in seen or isinstance(value, (str, int, float, jax.Array)):
+                continue
+            seen.add(id(value))
+            path = _join(name, child)
+            if _is_module(value):
+                paths.append(path)
+            queue.append((path, value))
+    return paths
+
+
 def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
-    called: set = set()
+    called: dict = {}
     token = _CALLED.set(called)
     try:
         with (
@@ -203,7 +262,7 @@ def _rebuilt(of, call) -> list:
     ]
 
 
-def _roots(fn, tree, args, kwargs) -> list:
+def model_roots(fn, tree, args, kwargs) -> list:
     """The models paths may start from: the callable where it is a module (or a method of
     one, or wraps one, as `jax.vmap(model)` does), then the arguments that are."""
     wrapped = []
@@ -314,7 +373,7 @@ def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
     def __call__(self, *args, **kwargs):  # noqa: N807
         called = _CALLED.get()
         if called is not None:
-            called.add(name)
+            called[name] = None
         if inputs and kwargs:  # (the inputs are marked as the call has them)
             args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
         elif inputs and len(args) == 1:

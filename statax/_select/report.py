@@ -5,12 +5,13 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .._core.errors import SelectionError
 from .vocabulary import Lines, Primitives, Scopes
 from .where import _is_transform, _location, _scope_region, _short, _stack_of, _walk_eqns
 
-__all__ = ["closest"]
+__all__ = ["Places", "closest", "places_in"]
 
 
 # ---- nothing matched ---------------------------------------------------------------------------
@@ -58,23 +59,43 @@ def _check_found(eqns: Sequence, chosen: tuple) -> None:
 
 
 def _nothing_found(selection, wanted, eqns) -> None:
+    there = places_in(eqns)
     if isinstance(selection, Primitives):
-        what, there = f"primitive {wanted!r}", {e.primitive.name for _, e in _walk_eqns(eqns, ())}
-        kind = "primitives"
+        what, kind, options = f"primitive {wanted!r}", "primitives", there.primitives
     elif isinstance(selection, Scopes):
-        there = set()
-        for stack, eqn in _walk_eqns(eqns, ()):
-            names = [e.name for e in _stack_of(stack, eqn) if not _is_transform(e)]
-            there.update("/".join(names[: k + 1]) for k in range(len(names)))
-        what, kind = f"scope {wanted!r}", "scopes"
+        what, kind, options = f"scope {wanted!r}", "scopes", there.scopes
     else:
         wanted = f"{wanted[0]}:{wanted[1]}"
-        there = {_short(_location(e)) for _, e in _walk_eqns(eqns, ())} - {"<unknown>"}
         what, kind = f"line {wanted!r}", "lines (where each equation was made)"
-    listed = closest(wanted, sorted(there)) if there else "none"
+        options = [_short(line) for line in there.lines]
+    listed = closest(wanted, sorted(set(options))) if options else "none"
     raise SelectionError(
         f"{selection}: no {what} in the program. The {kind} there, closest first: {listed}."
     )
+
+
+class Places(NamedTuple):
+    """What a program's selections can reach, each in the order first met: its scope paths
+    (every prefix), its primitives, and its lines (`"file:line"`, where each equation was
+    made). `stx.sites` lists them, and a selection that matches nothing is an error listing
+    them."""
+
+    scopes: list[str]
+    primitives: list[str]
+    lines: list[str]
+
+
+def places_in(eqns: Sequence) -> Places:
+    scopes: dict[str, None] = {}
+    primitives: dict[str, None] = {}
+    lines: dict[str, None] = {}
+    for stack, eqn in _walk_eqns(eqns, ()):
+        names = [e.name for e in _stack_of(stack, eqn) if not _is_transform(e)]
+        scopes.update(dict.fromkeys("/".join(names[: k + 1]) for k in range(len(names))))
+        primitives[eqn.primitive.name] = None
+        lines[_location(eqn)] = None
+    lines.pop("<unknown>", None)
+    return Places(list(scopes), list(primitives), list(lines))
 
 
 def closest(wanted: str, options: Sequence[str], n: int = 8) -> str:
