@@ -8,6 +8,7 @@ import doctest
 import pathlib
 import re
 
+import jax
 import pytest
 
 import statax as stx
@@ -32,6 +33,13 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
     flags = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
     runner = doctest.DocTestRunner(optionflags=flags)
     parser = doctest.DocTestParser()
+    # As a user runs them: with JAX's default rank promotion (the suite raises on it, and the
+    # model libraries the docs use broadcast ranks implicitly).
+    with jax.numpy_rank_promotion("allow"):
+        _run_blocks(page, namespace, parser, runner)
+
+
+def _run_blocks(page, namespace, parser, runner):
     for i, (lang, body) in enumerate(blocks(page)):
         name = f"{page.name}[block {i}]"
         if lang == "python":
