@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._core import staging as _staging
 from .._core.errors import SelectionError
 from .._core.registry import trips_for
 from .._core.tracebacks import boundary
@@ -219,7 +220,7 @@ def _grouped(kind: str, shapes: dict, skip: set, per_call: dict) -> list[Site]:
         rows.setdefault(name, []).append(value)
     out = []
     for name, values in rows.items():
-        first = next(iter(jax.tree_util.tree_leaves(values[0])), None)
+        first = next(iter(jax.tree_util.tree_leaves(values)), None)
         out.append(
             Site(
                 kind,
@@ -300,6 +301,10 @@ def _transformed(stack: tuple, eqn) -> bool:
     return any(_is_transform(e) for e in _stack_of(stack, eqn))
 
 
+def _drops(eqn) -> bool:
+    return any(_staging.dropped(v) for v in eqn.outvars)
+
+
 def _ordered(rows: list[Site], order: list[str]) -> list[Site]:
     """`rows` in the order of their places in `order` (the map's: as the function reaches them)."""
     index = {place: i for i, place in enumerate(order)}
@@ -328,7 +333,8 @@ def _selectable(fn, args, kwargs, make, places: list[str]) -> dict:
 def _equations(kind, walked, place_of, order) -> list[Site]:
     """One site per place of equations (a primitive, a line): their number, and the bytes of
     their outputs over the loops' iterations; none for a place a selection cannot reach (one of
-    its equations under a transformation applied in the function)."""
+    its equations under a transformation applied in the function, or a primitive one of whose
+    equations drops an output)."""
     rows: dict[str, list] = {}
     refused = set()  # (one of its equations is under a transformation applied in the function)
     for stack, eqn, trips in walked:
@@ -337,7 +343,7 @@ def _equations(kind, walked, place_of, order) -> list[Site]:
         place = place_of(eqn)
         if place == "<unknown>" or place in refused:
             continue
-        if _transformed(stack, eqn):
+        if _transformed(stack, eqn) or (kind == "primitive" and _drops(eqn)):
             refused.add(place)
             rows.pop(place, None)
             continue
