@@ -21,6 +21,8 @@ from ._core.primitive import save_inter as save_inter
 from ._core.scope import scope as scope
 from ._core.state import get_state as get_state
 from ._core.state import set_state as set_state
+from ._drivers.gradients import NonFinite as NonFinite
+from ._drivers.gradients import first_nonfinite as first_nonfinite
 from ._drivers.interventions import grad_inters as grad_inters
 from ._drivers.interventions import plant as plant
 from ._drivers.naming import Key as Key
@@ -58,6 +60,7 @@ __all__ = [
     "HandlerError",
     "Key",
     "KeyCollisionError",
+    "NonFinite",
     "PlantError",
     "ReduceMismatchError",
     "SelectionError",
@@ -71,6 +74,7 @@ __all__ = [
     "UnhandledPrimitiveError",
     "describe",
     "extend",
+    "first_nonfinite",
     "get_state",
     "grad_inters",
     "lines",

@@ -15,6 +15,7 @@ from jax._src import effects as effects_lib  # isort: skip
 
 
 __all__ = [
+    "COTANGENTS",
     "DIFFERENTIATING",
     "NO_EFFECTS",
     "PLANTING",
@@ -130,5 +131,15 @@ DIFFERENTIATING = jax_config.bool_state(
     "statax_differentiating",
     False,
     "Internal to statax: true while statax.pull traces a function whose inputs are differentiated.",
+    include_in_trace_context=True,
+)
+
+# Whether the `pull` tracing returns the cotangents that flow back through its marks
+# (`pull(fn, cotangents=True)`): then a differentiated mark taps its tangents
+# (`_core.cotangents`). Part of the trace context.
+COTANGENTS = jax_config.bool_state(
+    "statax_cotangents",
+    False,
+    "Internal to statax: true while statax.pull(fn, cotangents=True) traces a function.",
     include_in_trace_context=True,
 )

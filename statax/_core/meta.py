@@ -108,6 +108,10 @@ class StateMeta:
         flagged: whether the array leaves are followed by one boolean, true where this
             occurrence ran (`pull(fn, ran=True)`: a `cond` branch not taken leaves it false,
             as it leaves the value zeros).
+        tap: in a `pull(fn, cotangents=True)`, the number a differentiated mark shares with
+            its cotangent's (`_core.cotangents`), so that the cotangent is keyed after it.
+        grad: whether the leaves are the cotangent that flowed back through the mark `tap`
+            numbers (keyed `f"{key}.grad"`), not its value.
     """
 
     name: str
@@ -118,6 +122,13 @@ class StateMeta:
     reduce: str | None = None
     accumulator: bool = False
     flagged: bool = False
+    tap: int | None = None
+    grad: bool = False
+
+    @property
+    def planted_as(self) -> str:
+        """The name `plant` knows this mark by: its name, or for a cotangent `f"{name}.grad"`."""
+        return f"{self.name}.grad" if self.grad else self.name
 
     @functools.cached_property
     def num_values(self) -> int:
@@ -166,14 +177,30 @@ def occurrences(metas: Sequence[StateMeta]) -> list[tuple[str, int]]:
 
 def keys_of(metas: Sequence[StateMeta]) -> list[str]:
     """The key `pull` gives each intermediate: `f"{name}_{n}"`, `n` counting the name's
-    occurrences in order; a reduced name is keyed by itself."""
+    occurrences in order; a reduced name is keyed by itself; a cotangent by its value's key and
+    `.grad`."""
     counts: dict[str, int] = {}
     keys = []
+    tapped: dict[int, str] = {}  # tap number -> the key of the value it taps
     for meta in metas:
         if meta.reduce is not None:
             keys.append(meta.name)
             continue
+        if meta.grad:  # a cotangent: after its value's key (`f"{key}.grad"`)
+            keys.append(None)
+            continue
         n = counts.get(meta.name, 0)
         counts[meta.name] = n + 1
         keys.append(f"{meta.name}_{n}")
+        if meta.tap is not None:
+            tapped[meta.tap] = keys[-1]
+    grads: dict[str, int] = {}  # (a cotangent whose value is not among `metas`: counted apart)
+    for i, meta in enumerate(metas):
+        if keys[i] is None:
+            key = tapped.get(meta.tap)
+            if key is None:
+                n = grads.get(meta.name, 0)
+                grads[meta.name] = n + 1
+                key = f"{meta.name}_{n}"
+            keys[i] = key + ".grad"
     return keys

@@ -36,6 +36,7 @@ from jax.extend import core as jex
 
 from .._jax import tracing as _tracing
 from . import context as _context
+from . import cotangents as _cotangents
 from . import fastpaths as _fastpaths
 from . import jax_rules as _jax_rules
 from . import staging as _staging
@@ -185,7 +186,7 @@ def _mark(value: T, meta: StateMeta, arrays: list) -> T:
         outs = _stage(arrays, meta, IDLE)  # (an identity, `UNPULLED`, with fast paths off)
         return value if outs is arrays else meta.unflatten(outs)
     planting = _context.PLANTING.value  # `plant(fn)`: decided here, where bound
-    if planting is not None and name in planting.names:
+    if planting is not None and meta.planted_as in planting.names:
         if any(type(leaf) in NUMBERS for leaf in meta.static_leaves):
             # `pull` returns a Python number as it is; planted, it is a weakly typed array
             # (as `jax.jit` takes a Python number argument), so that it can take a value in.
@@ -362,8 +363,12 @@ _jax_rules.register_lowering_identity(save_inter_p, _idle)
 
 
 def _jvp(primals, tangents, *, meta, status):
-    # Save the primal only; the tangents pass through untouched.
-    return _outputs(_bind(list(primals), meta, status), status), _outputs(list(tangents), status)
+    # Save the primal only; the tangents pass through untouched (or, in a
+    # `pull(fn, cotangents=True)`, through a tap that marks their cotangent).
+    tangents = list(tangents)
+    if _cotangents.taps(meta, status, COLLECTING):
+        meta, tangents = _cotangents.tapped(meta, tangents)
+    return _outputs(_bind(list(primals), meta, status), status), _outputs(tangents, status)
 
 
 _jax_rules.register_jvp_rule(save_inter_p, _jvp)
@@ -371,6 +376,10 @@ _jax_rules.register_jvp_rule(save_inter_p, _jvp)
 
 def _linearize(nonzeros, *primals, meta, status):
     # As the JVP, without JAX's generic linearization (a trace of the JVP per mark).
+    if _cotangents.taps(meta, status, COLLECTING) and all(nonzeros):
+        number = _cotangents.number()
+        outs = _bind(list(primals), dataclasses.replace(meta, tap=number), status)
+        return outs, list(nonzeros), lambda *t: _cotangents.tap(meta, number, list(t))
     outs = _outputs(_bind(list(primals), meta, status), status)
     return (
         outs,
@@ -380,6 +389,15 @@ def _linearize(nonzeros, *primals, meta, status):
 
 
 _tracing.register_linearization_rule(save_inter_p, _linearize)
+
+
+def _mark_cotangent(meta: StateMeta, cts: list) -> list:
+    """A cotangent marked where a tap transposes (`_core.cotangents`): collected, and planted
+    under its key (`"h_0.grad"`)."""
+    return split(_mark(meta.unflatten(cts), meta, cts))[2]
+
+
+_cotangents.on_transpose(_mark_cotangent)
 
 
 def _transpose(cts, *args, **params):

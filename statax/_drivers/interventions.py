@@ -16,7 +16,7 @@ from .._select import calling as _calling
 from .._select.vocabulary import Modules, selections
 from . import nnx as _nnx
 from .planting import Add, Planting
-from .pull import _Pulled, call_pulled, pull
+from .pull import _Pulled, call_pulled, refuse_program_places, pull
 
 __all__ = ["grad_inters", "plant"]
 
@@ -35,7 +35,11 @@ class _Planted(eqx.Module):
         # A reduced entry, as `pull` returned it (its `Key` knows), sums up many values: it is
         # not one value of the program, and giving it back plants nothing.
         values = {k: v for k, v in values.items() if getattr(k, "reduce", None) is None}
-        pulled = _Pulled(self.fn, None, True, None, False, Planting.of(values), self.at)
+        cotangents = any(str(k).endswith(".grad") for k in values)  # (taps for those keys)
+        if cotangents:
+            refuse_program_places(self.at)
+        planting = Planting.of(values)
+        pulled = _Pulled(self.fn, None, True, None, False, planting, self.at, cotangents)
         return call_pulled(pulled, args, kwargs, values)[0]
 
 

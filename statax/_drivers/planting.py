@@ -56,9 +56,10 @@ class Planting:
             if not isinstance(key, str):
                 raise PlantError(f"stx.plant: keys are strings as pull returns them, got {key!r}")
             candidates = {key}
-            match = _OCCURRENCE.fullmatch(key)
-            if match:
-                candidates.add(match.group(1))
+            base, grad = (key[: -len(".grad")], ".grad") if key.endswith(".grad") else (key, "")
+            match = _OCCURRENCE.fullmatch(base)
+            if match:  # (`"h_0.grad"`: the cotangent of occurrence 0 of `h`)
+                candidates.add(match.group(1) + grad)
             names |= candidates
             if callable(spec):
                 for name in candidates:
@@ -78,7 +79,7 @@ class Planting:
                 "occurrences combine into one entry, so no one of them can be planted. To fix: "
                 "plant a name saved without reduce=."
             )
-        hooked = [_hooked(meta, hook, value, arrays) for hook in self.hooks_of(meta.name)]
+        hooked = [_hooked(meta, hook, value, arrays) for hook in self.hooks_of(meta.planted_as)]
         # The placeholder reads the marked arrays (behind stop_gradient: what comes in is a
         # constant to derivatives), so that it stays where the mark is: a placeholder of
         # constants alone would be hoisted out of a loop body as loop-invariant.
@@ -126,7 +127,7 @@ def feed(
     name the marks there are, for an unknown key's error."""
     keys = keys_of(ins)
     known = dict(zip(keys, ins, strict=True))
-    names = {meta.name for meta in ins}
+    names = {meta.planted_as for meta in ins}
     for key in values:
         if key not in known and key not in names:
             sites = "\n".join(
@@ -145,12 +146,12 @@ def feed(
         leaf_avals = avals[start : start + meta.num_arrays]
         start += meta.num_arrays
         choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
-        spec = values[key] if key in values else values.get(meta.name)
+        spec = values[key] if key in values else values.get(meta.planted_as)
         code, replacement = KEEP, None
         if isinstance(spec, Add):
             code, replacement = ADD, spec.value
         elif callable(spec):
-            code = HOOK + planting.hooks_of(meta.name).index(spec)
+            code = HOOK + planting.hooks_of(meta.planted_as).index(spec)
         elif spec is not None:
             code, replacement = REPLACE, spec
         out.append(np.full(choice_aval.shape, code, np.int32))

@@ -25,6 +25,7 @@ from .._core.meta import ARRAY, StateMeta
 from .._core.primitive import Collector, collecting
 from .._core.registry import on_forget
 from .._core.rewrite import pull_collected, pull_staged
+from .._core.errors import SelectionError
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
 from .._jax import params as _params
@@ -70,7 +71,7 @@ class _Entry(NamedTuple):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["fn"],
-    meta_fields=["only", "enabled", "summarize", "ran", "planting", "at"],
+    meta_fields=["only", "enabled", "summarize", "ran", "planting", "at", "cotangents"],
 )
 @dataclasses.dataclass(frozen=True)
 class _Pulled:
@@ -84,6 +85,7 @@ class _Pulled:
     ran: bool = False
     planting: Any = None  # for `plant`: a `_plant.Planting`
     at: tuple = ()  # selections (`_select`): marks made where none were written
+    cotangents: bool = False  # also the cotangents that flow back through the marks
 
     @property
     def __wrapped__(self) -> Callable:
@@ -134,6 +136,7 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     eager = (
         _fastpaths.on
         and not at
+        and not pulled.cotangents
         and values is None
         and pulled.summarize is None
         and pulled.planting is None
@@ -268,7 +271,8 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
     if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _staging.staging_trace()
         if trace is not None and _context.PLANTING.value is None:
-            return _inline(trace, call, leaves, treedef, only, ran, in_program)
+            with _context.COTANGENTS(pulled.cotangents):
+                return _inline(trace, call, leaves, treedef, only, ran, in_program)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     # Where the inputs are differentiated, the rules of custom derivatives run: their marks
     # are keys (see `handlers.custom_derivatives`); where they are not, there are none.
@@ -277,6 +281,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
         contextlib.nullcontext() if planting is None else _context.PLANTING(planting),
         _context.DIFFERENTIATING(differentiating),
         _context.RAN_MASKS(ran),
+        _context.COTANGENTS(pulled.cotangents),
     ):
         entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at, in_program)
     if eager and _one_jit(entry):
@@ -430,6 +435,7 @@ def pull(
     summarize: Callable | None = None,
     ran: bool = False,
     at: Any = None,
+    cotangents: bool = False,
 ) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
@@ -462,6 +468,12 @@ def pull(
             `stx.scopes(...)`, `stx.modules(...)`, `stx.primitives(...)` and `stx.lines(...)`
             make (see "Looking inside a model you did not write"). Their values come back as
             marks written there would, beside the marks written by hand.
+        cotangents: also return the cotangent that flows back through each mark where `fn`
+            differentiates (`jax.grad`, `jax.value_and_grad`, `jax.vjp`, equinox's and NNX's
+            inside `fn`): for an occurrence `"h_0"`, `"h_0.grad"`, from the same backward
+            pass, stacked as the value is (per iteration in a `scan`, per example under
+            `vmap`). `plant` replaces or transforms them by the same keys. See "Debugging
+            gradients".
 
     Returns:
         A callable with `fn`'s signature returning `(out, intermediates)`: `fn`'s output and a
@@ -485,6 +497,23 @@ def pull(
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
+    at = _vocabulary.selections(at)
+    if cotangents:
+        refuse_program_places(at)
     return _Pulled(
-        fn, _selection(only), bool(enabled), summarize, bool(ran), None, _vocabulary.selections(at)
+        fn, _selection(only), bool(enabled), summarize, bool(ran), None, at, bool(cotangents)
     )
+
+
+def refuse_program_places(at: tuple) -> None:
+    """Cotangents come from marks made where their values are differentiated: module
+    selections and the scopes of Flax Linen and Keras modules are (marked as they run); other
+    places in the program are found once the function, and its derivative, are traced."""
+    for selection in at:
+        if not isinstance(selection, (_vocabulary.Modules, _vocabulary.Scopes)):
+            raise SelectionError(
+                f"stx.pull(fn, at={selection}, cotangents=True): a primitive or a line is found "
+                "in the program once its derivative is traced already, so no cotangent can be "
+                "read there. Select the module that computes it (stx.modules, or the scope of a "
+                "Flax Linen or Keras module), or mark the value with stx.save_inter."
+            )

@@ -119,3 +119,15 @@ def batched_outputs(closed: jex.ClosedJaxpr, axis_data: Any, in_batched: Sequenc
     """Which outputs of `closed` are batched under `vmap` when `in_batched` inputs are (JAX's
     own batching rules decide; `batch_jaxpr`'s signature is unchanged in JAX 0.8 -- 0.12)."""
     return list(batching.batch_jaxpr(closed, axis_data, tuple(in_batched), False)[1])
+
+
+def is_symbolic_zero(tangent: Any) -> bool:
+    """Whether a tangent in a JVP rule is JAX's symbolic zero (`jax.interpreters.ad.Zero`)."""
+    return isinstance(tangent, ad_api.Zero)
+
+
+def instantiate(ct: Any, primal: Any) -> Any:
+    """A cotangent in a transpose rule as an array: a symbolic zero as zeros of its type."""
+    if isinstance(ct, ad_api.Zero):
+        return ad_api.instantiate_zeros(ct)
+    return ct

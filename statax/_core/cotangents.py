@@ -1,0 +1,143 @@
+"""The backward pass at a mark: `pull(fn, cotangents=True)` and `plant` of a cotangent.
+
+While a `pull(fn, cotangents=True)` traces, a mark that is differentiated (its JVP runs: a
+`jax.grad`, `jax.vjp`, `value_and_grad` inside `fn`) passes its tangents through a *tap*,
+`cotangent_tap_p`: the identity, and linear. Transposed, the tap marks the cotangent that flows
+back through it, as a `save_inter` at that place in the backward pass would, so it is collected
+where the backward pass runs: stacked per iteration in a `scan`'s transpose, per example under
+`vmap`, once under `jax.checkpoint` (the tap is in the linear part, which is transposed once).
+A planted cotangent is replaced there too, so the gradients upstream of it change exactly as
+a `custom_vjp` identity that changed its cotangent would change them.
+
+The forward mark and its tap share a number (`StateMeta.tap`), so that the cotangent is keyed
+after the value: `"h_0"` and `"h_0.grad"`. Outside such a `pull`, or where nothing reads the
+tap, there is no tap: a mark's JVP passes its tangents on untouched, as it always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+import jax
+from jax.extend import core as jex
+
+from .._jax import tracing as _tracing
+from . import context as _context
+from . import jax_rules as _jax_rules
+from .meta import StateMeta
+
+__all__ = [
+    "cotangent_tap_p",
+    "number",
+    "on_transpose",
+    "shapes_recorded",
+    "tap",
+    "tapped",
+    "taps",
+]
+
+cotangent_tap_p = jex.Primitive("cotangent_tap")
+cotangent_tap_p.multiple_results = True
+
+_NUMBERS = itertools.count(1)
+_MARK: list[Callable] = []  # what marks a cotangent (`primitive._mark_cotangent`)
+
+
+def on_transpose(mark: Callable[[StateMeta, list], list]) -> None:
+    """Have the tap's transpose call `mark(meta, cotangents) -> cotangents` (the cotangents as
+    planted, once collected)."""
+    _MARK[:] = [mark]
+
+
+def taps(meta: StateMeta, status: str, collecting: str) -> bool:
+    """Whether a mark's JVP taps its tangents: inside a `pull(fn, cotangents=True)`, for a mark
+    that is collected (not inert, not idle), occurrence by occurrence (not `reduce=`)."""
+    return _context.COTANGENTS.value and status == collecting and meta.reduce is None
+
+
+def tapped(meta: StateMeta, tangents: list) -> tuple[StateMeta, list]:
+    """In a mark's JVP: `(forward meta, tangents out)`, the forward mark's meta numbered, and
+    its tangents through a tap that marks their cotangent. Where a tangent is a symbolic zero
+    or of an integer value (`float0`), the tangents pass untouched."""
+    if not tangents or any(_skipped(t) for t in tangents):
+        return meta, tangents
+    n = number()
+    return dataclasses.replace(meta, tap=n), tap(meta, n, tangents)
+
+
+def number() -> int:
+    """A fresh number for a mark and its tap."""
+    return next(_NUMBERS)
+
+
+def tap(meta: StateMeta, n: int, tangents: list) -> list:
+    """`tangents` through the tap numbered `n` of the mark `meta`."""
+    if any(_skipped(t) for t in tangents):
+        return tangents
+    shapes = _SHAPES.get()
+    if shapes is not None:
+        shapes.setdefault(meta.name, [tuple(t.shape) for t in tangents])
+    return cotangent_tap_p.bind(*tangents, meta=dataclasses.replace(meta, tap=n, grad=True))
+
+
+# Where recorded (`shapes_recorded`): the shapes of each tapped name's arrays at its mark, one
+# occurrence's (what a loop stacks, or a `vmap` batches, comes in front of them).
+_SHAPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "statax_tap_shapes", default=None
+)
+
+
+@contextlib.contextmanager
+def shapes_recorded():
+    """Within, each tap records the shapes of its mark's arrays, by name; yields the dict."""
+    shapes: dict = {}
+    token = _SHAPES.set(shapes)
+    try:
+        yield shapes
+    finally:
+        _SHAPES.reset(token)
+
+
+def _skipped(tangent) -> bool:
+    if _tracing.is_symbolic_zero(tangent):
+        return True
+    return jax.dtypes.result_type(tangent) == jax.dtypes.float0
+
+
+@cotangent_tap_p.def_impl
+def _impl(*xs, meta):
+    return list(xs)
+
+
+@cotangent_tap_p.def_abstract_eval
+def _abstract_eval(*avals, meta):
+    return list(avals)
+
+
+_jax_rules.register_lowering_identity(cotangent_tap_p, lambda params: False)
+
+
+def _jvp(primals, tangents, *, meta):  # (a tangent of a tangent: passed on, not tapped again)
+    return cotangent_tap_p.bind(*primals, meta=meta), list(tangents)
+
+
+_jax_rules.register_jvp_rule(cotangent_tap_p, _jvp)
+
+
+def _transpose(cts, *args, meta):
+    cts = [_tracing.instantiate(ct, arg) for ct, arg in zip(cts, args, strict=True)]
+    return list(_MARK[0](meta, cts))
+
+
+_jax_rules.register_transpose_rule(cotangent_tap_p, _transpose)
+
+
+def _batch(axis_size, vals, dims, *, meta):
+    return cotangent_tap_p.bind(*vals, meta=meta), list(dims)
+
+
+_jax_rules.register_batching_rule(cotangent_tap_p, _batch)

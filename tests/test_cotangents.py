@@ -1,0 +1,276 @@
+"""The backward pass at a mark (`pull(fn, cotangents=True)`, `plant` of `"h_0.grad"`,
+`first_nonfinite`), checked against references written by hand: the cotangent at a place is the
+gradient with respect to a perturbation added there (zero), and an edited cotangent is what a
+`custom_vjp` identity that edits it gives."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import statax as stx
+from statax.testing import assert_tree_allclose
+
+WS = jnp.stack([jnp.eye(3) * s + 0.1 for s in (0.5, -1.0, 2.0)])
+X = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+
+def stacked(ws, x, eps=None, checkpointed=False):
+    """Layers under `lax.scan`, `z` marked in each; with `eps`, `z + eps[i]` instead (the
+    reference: the gradient with respect to `eps` at zero is the cotangent at `z`)."""
+
+    def layer(h, w_e):
+        w, e = w_e
+        z = h @ w
+        z = stx.save_inter(z, name="z") if e is None else z + e
+        return jnp.tanh(z), None
+
+    if checkpointed:
+        layer = jax.checkpoint(layer)
+    return jax.lax.scan(layer, x, (ws, eps))[0]
+
+
+def loss(ws, x, eps=None, checkpointed=False):
+    return jnp.sum(stacked(ws, x, eps, checkpointed) ** 2)
+
+
+def zeros_at_z(x):
+    return jnp.zeros((len(WS), *x.shape))
+
+
+def reference(x, checkpointed=False):
+    """`(value, cotangent)` at `z`, by hand."""
+    _, acts = stx.pull(stacked)(WS, x)
+    ct = jax.grad(loss, argnums=2)(WS, x, zeros_at_z(x), checkpointed)
+    return acts["z_0"], ct
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("order", ["plain", "jit_in", "jit_out"])
+def test_scan_stacks_each_iterations_cotangent(order, checkpointed):
+    def step(ws, x):
+        return jax.value_and_grad(loss)(ws, x, None, checkpointed)
+
+    if order == "jit_in":
+        pulled = stx.pull(jax.jit(step), cotangents=True)
+    else:
+        pulled = stx.pull(step, cotangents=True)
+    if order == "jit_out":
+        pulled = jax.jit(pulled)
+    (value, grads), acts = pulled(WS, X)
+    z, ct = reference(X, checkpointed)
+    assert list(acts) == ["z_0", "z_0.grad"]
+    assert_tree_allclose(acts, {"z_0": z, "z_0.grad": ct})
+    assert_tree_allclose((value, grads), step(WS, X))  # (the step itself is unchanged)
+
+
+@pytest.mark.parametrize("order", ["vmap_in", "vmap_out"])
+def test_vmap_gives_each_examples_cotangent(order):
+    per_example = lambda x: jax.grad(lambda ws: loss(ws, x[None]))(WS)  # noqa: E731
+    if order == "vmap_in":
+        _, acts = stx.pull(jax.vmap(per_example), cotangents=True)(X)
+    else:
+        _, acts = jax.vmap(stx.pull(per_example, cotangents=True))(X)
+    want = jax.vmap(lambda x: reference(x[None])[1])(X)
+    assert_tree_allclose(acts["z_0.grad"], want)
+
+
+def test_cond_gives_the_branch_that_ran():
+    def f(x, p):
+        def a(x):
+            return stx.save_inter(jnp.sin(x), name="s") * 2.0
+
+        def b(x):
+            return stx.save_inter(jnp.cos(x), name="s") * 3.0
+
+        return jnp.sum(jax.lax.cond(p, a, b, x) ** 2)
+
+    def by_hand(x, p, e):
+        return jnp.sum(
+            jax.lax.cond(p, lambda x: (jnp.sin(x) + e) * 2, lambda x: (jnp.cos(x) + e) * 3, x) ** 2
+        )
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    for p in (True, False):
+        for wrap in (lambda f: f, jax.jit):
+            _, acts = stx.pull(wrap(lambda x, p: jax.grad(f)(x, p)), cotangents=True)(x, p)
+            want = jax.grad(by_hand, argnums=2)(x, p, jnp.zeros(5))
+            assert_tree_allclose(acts["s_0.grad"], want)
+
+
+def test_custom_vjp_the_cotangent_its_rule_receives():
+    received = []
+
+    @jax.custom_vjp
+    def g(x):
+        return jnp.sin(x)
+
+    def bwd(x, ct):
+        jax.debug.callback(lambda ct: received.append(np.asarray(ct)), ct)
+        return (ct * jnp.cos(x),)
+
+    g.defvjp(lambda x: (jnp.sin(x), x), bwd)
+
+    def f(x):
+        return jnp.sum(jnp.exp(stx.save_inter(g(x), name="y")))
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    grads, acts = stx.pull(jax.grad(f), cotangents=True)(x)
+    assert_tree_allclose(acts["y_0.grad"], received[-1])
+    assert_tree_allclose(grads, jax.grad(f)(x))
+
+
+def test_shard_map_one_row_per_shard():
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 8), NamedSharding(mesh, P("x")))
+
+    def f(x):
+        def body(x):
+            return jax.lax.psum(jnp.sum(stx.save_inter(jnp.sin(x), name="z") ** 2), "x")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(x)
+
+    def by_hand(x, e):
+        return jnp.sum((jnp.sin(x) + e) ** 2)
+
+    with jax.set_mesh(mesh):  # (explicit sharding: eager reductions need the mesh)
+        _, acts = stx.pull(jax.grad(f), cotangents=True)(x)
+        want = jax.grad(by_hand, argnums=1)(x, jnp.zeros(8))
+    assert acts["z_0.grad"].shape == (4, 2)  # (shards, each shard's)
+    assert_tree_allclose(acts["z_0.grad"].reshape(8), want)
+
+
+def test_equinox_checkpointed_while_loop_reverse_mode():
+    """The backward loop runs the iterations last to first: as for any while loop, its last
+    iteration, the forward pass's first, is what comes back."""
+
+    def run(x, eps=None):
+        def body(c):
+            i, v = c
+            v = jnp.sin(v) + 0.1
+            v = stx.save_inter(v, name="v") if eps is None else v + eps[i]
+            return i + 1, v
+
+        _, v = eqx.internal.while_loop(
+            lambda c: c[0] < 3, body, (0, x), max_steps=5, kind="checkpointed"
+        )
+        return jnp.sum(v**2)
+
+    x = jnp.linspace(-1.0, 1.0, 4)
+    _, acts = stx.pull(jax.grad(run), cotangents=True)(x)
+    want = jax.grad(run, argnums=1)(x, jnp.zeros((5, 4)))[0]  # iteration 0's
+    assert_tree_allclose(acts["v_1.grad"], want)
+
+
+def test_no_cotangent_keys_without_differentiation():
+    def f(x):
+        return jnp.sum(stx.save_inter(jnp.sin(x), name="h"))
+
+    x = jnp.ones(3)
+    assert list(stx.pull(f, cotangents=True)(x)[1]) == ["h_0"]
+    assert list(stx.pull(jax.grad(f))(x)[1]) == ["h_0"]  # (not asked)
+    # Differentiated outside the pull: its backward pass runs after pull returned.
+    _, acts = jax.grad(stx.pull(f, cotangents=True), has_aux=True)(x)
+    assert list(acts) == ["h_0"]
+
+
+# ---- edit: plant at "h_0.grad" ---------------------------------------------------------------
+
+
+@jax.custom_vjp
+def clipped(z):
+    return z
+
+
+clipped.defvjp(lambda z: (z, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),))
+
+
+def loss_clipped_by_hand(ws, x):
+    def layer(h, w):
+        return jnp.tanh(clipped(h @ w)), None
+
+    return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2) * 5.0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_plant_a_hook_on_the_cotangent_is_a_custom_vjp_identity(jit):
+    step = jax.value_and_grad(lambda ws, x: loss(ws, x) * 5.0)
+    clip = {"z_0.grad": lambda g: jnp.clip(g, -0.5, 0.5)}
+    planted = lambda ws, x: stx.plant(step)(clip, ws, x)  # noqa: E731
+    got = (jax.jit(planted) if jit else planted)(WS, X)
+    want = jax.value_and_grad(loss_clipped_by_hand)(WS, X)
+    assert_tree_allclose(got, want)
+    assert not np.allclose(got[1], step(WS, X)[1])  # (the clip bites)
+
+
+def test_plant_zero_cuts_a_path_and_mixes_with_a_forward_plant():
+    def f(x):
+        a = stx.save_inter(jnp.sin(x), name="a")
+        b = stx.save_inter(jnp.cos(x), name="b")
+        return jnp.sum(a * b)
+
+    x = jnp.linspace(0.0, 1.0, 4)
+    grads = stx.plant(jax.grad(f))({"a_0.grad": jnp.zeros(4)}, x)
+    assert_tree_allclose(grads, -jnp.sin(x) * jnp.sin(x))  # only through b
+    # With the forward value of b replaced as well: d/dx sum(sin(x) * 2), a's path cut.
+    grads = stx.plant(jax.grad(f))({"a_0.grad": jnp.zeros(4), "b_0": jnp.full(4, 2.0)}, x)
+    assert_tree_allclose(grads, jnp.zeros(4))
+    grads = stx.plant(jax.grad(f))({"b_0": jnp.full(4, 2.0)}, x)
+    assert_tree_allclose(grads, 2.0 * jnp.cos(x))
+
+
+# ---- localise ------------------------------------------------------------------------------
+
+
+def poisoned(ws, bs, x):
+    """Six layers under `lax.scan`; in layer 3 the bias is 0 and the weights too, so `z` is 0
+    there, and `exp(log(z))` (finite forward: 0) has a NaN derivative."""
+
+    def layer(h, wb):
+        w, b = wb
+        z = stx.save_inter(jnp.square(h @ w + b[None]), name="pre")
+        return jnp.exp(jnp.log(z)), None
+
+    return jnp.sum(jax.lax.scan(layer, x, (ws, bs))[0])
+
+
+def poisoned_model():
+    ws = jnp.stack([jnp.eye(3) * 0.5] * 6).at[3].set(0.0)
+    bs = jnp.full((6, 3), 0.2).at[3].set(0.0)
+    return ws, bs, jnp.ones((2, 3))
+
+
+def test_first_nonfinite_names_layer_3_not_the_loss():
+    ws, bs, x = poisoned_model()
+    grads, found = stx.first_nonfinite(jax.grad(poisoned))(ws, bs, x)
+    assert not np.isfinite(grads).all()
+    assert found.key == "pre_0.grad" and found.index == (3,)
+    assert found.location.endswith(f"test_cotangents.py:{poisoned.__code__.co_firstlineno + 6}")
+    np.testing.assert_array_equal(found.value, np.zeros((2, 3)))
+    assert np.isnan(found.cotangent).all()
+    assert "'pre_0.grad' at index (3,)" in str(found)
+
+
+def test_first_nonfinite_costs_one_run_when_finite():
+    ws, bs, x = poisoned_model()
+    ws, bs = ws.at[3].set(0.5), bs.at[3].set(0.2)
+    calls = []
+
+    def step(ws, bs, x):
+        calls.append(1)
+        return jax.grad(poisoned)(ws, bs, x)
+
+    grads, found = stx.first_nonfinite(step)(ws, bs, x)
+    assert found is None and len(calls) == 1
+    assert_tree_allclose(grads, jax.grad(poisoned)(ws, bs, x))
+
+
+def test_first_nonfinite_per_example_under_vmap():
+    ws, bs, x = poisoned_model()
+    xs = jnp.stack([x, x.at[:].set(-0.4)])  # example 1: z is 0 in layer 0 as well
+    per_example = jax.vmap(jax.grad(poisoned), in_axes=(None, None, 0))
+    _, found = stx.first_nonfinite(per_example)(ws, bs, xs)
+    assert found.key == "pre_0.grad" and found.index == (1, 3)  # (example, layer)
