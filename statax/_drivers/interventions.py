@@ -16,7 +16,7 @@ from .._select import calling as _calling
 from .._select.vocabulary import Modules, selections
 from . import nnx as _nnx
 from .planting import Add, Planting
-from .pull import _Pulled, call_pulled, refuse_program_places, pull
+from .pull import _Pulled, call_pulled, pull, refuse_program_places
 
 __all__ = ["grad_inters", "plant"]
 

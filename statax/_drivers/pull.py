@@ -19,13 +19,13 @@ from .._core import context as _context
 from .._core import fastpaths as _fastpaths
 from .._core import staging as _staging
 from .._core.calling import _call_plain, _call_tree, _split_callable, flat_function
+from .._core.errors import SelectionError
 from .._core.exposers import mark, take
 from .._core.marks import selecting
 from .._core.meta import ARRAY, StateMeta
 from .._core.primitive import Collector, collecting
 from .._core.registry import on_forget
 from .._core.rewrite import pull_collected, pull_staged
-from .._core.errors import SelectionError
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
 from .._jax import params as _params
