@@ -3,11 +3,15 @@
 gradient with respect to a perturbation added there (zero), and an edited cotangent is what a
 `custom_vjp` identity that edits it gives."""
 
+import diffrax
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -274,3 +278,164 @@ def test_first_nonfinite_per_example_under_vmap():
     per_example = jax.vmap(jax.grad(poisoned), in_axes=(None, None, 0))
     _, found = stx.first_nonfinite(per_example)(ws, bs, xs)
     assert found.key == "pre_0.grad" and found.index == (1, 3)  # (example, layer)
+
+
+# ---- real training steps, models nobody marked ---------------------------------------------
+
+
+def test_an_equinox_optax_step_selected_by_module():
+    """Each layer's output cotangent, per example, from the step's own backward pass, against
+    the gradient with respect to a perturbation of each layer's output (the MLP by hand)."""
+    x, y = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.ones((3, 2))
+    model = eqx.nn.MLP(4, 2, width_size=8, depth=2, key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    @eqx.filter_jit
+    def step(model, state, x, y):
+        value, grads = eqx.filter_value_and_grad(loss)(model, x, y)
+        updates, state = opt.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state, value
+
+    def by_hand(eps):
+        def forward(x, eps):
+            h = x
+            for i, layer in enumerate(model.layers):
+                h = layer(h) + eps[i]
+                h = jax.nn.relu(h) if i < 2 else h
+            return h
+
+        return jnp.mean((jax.vmap(forward)(x, eps) - y) ** 2)
+
+    pulled = stx.pull(step, at=stx.modules("layers[*]"), cotangents=True)
+    (new_model, new_state, value), acts = pulled(model, state, x, y)
+    eps = [jnp.zeros((3, 8)), jnp.zeros((3, 8)), jnp.zeros((3, 2))]
+    want = jax.grad(by_hand)(eps)
+    for i in range(3):
+        assert_tree_allclose(acts[f"layers[{i}]_0.grad"], want[i])
+    # The step is the step: the same new model and state, of the model's own classes.
+    assert_tree_allclose((new_model, new_state, value), step(model, state, x, y))
+    assert type(new_model.layers[0]) is type(model.layers[0]) is eqx.nn.Linear
+    # Without cotangents too: the optimizer's moments are copies of the model's structure.
+    got, acts = stx.pull(step, at=stx.modules("layers[*]"))(model, state, x, y)
+    assert_tree_allclose(got, step(model, state, x, y))
+    assert list(acts) == ["layers[0]_0", "layers[1]_0", "layers[2]_0"]
+
+
+def test_an_nnx_optax_step_selected_by_module_and_summarized():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)])
+
+        def __call__(self, x):
+            return self.layers[1](jax.nn.relu(self.layers[0](x)))
+
+    x, y = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.ones((3, 2))
+
+    @nnx.jit
+    def step(net, optimizer, x, y):
+        value, grads = nnx.value_and_grad(lambda n: jnp.mean((n(x) - y) ** 2))(net)
+        optimizer.update(net, grads)
+        return value
+
+    def by_hand(net, eps):
+        h = jax.nn.relu(net.layers[0](x) + eps[0])
+        return jnp.mean((net.layers[1](h) + eps[1] - y) ** 2)
+
+    net = Net(nnx.Rngs(0))
+    want = jax.grad(by_hand, argnums=1)(net, [jnp.zeros((3, 8)), jnp.zeros((3, 2))])
+    kernel = net.layers[0].kernel[...]
+    optimizer = nnx.Optimizer(net, optax.sgd(0.1), wrt=nnx.Param)
+    pulled = stx.pull(step, at=stx.modules("layers[*]"), cotangents=True)
+    _, acts = pulled(net, optimizer, x, y)
+    assert_tree_allclose([acts["layers[0]_0.grad"], acts["layers[1]_0.grad"]], want)
+    assert not np.allclose(net.layers[0].kernel[...], kernel)  # (the step updated it)
+    # Summaries only: a per-layer table of gradient statistics from one call.
+    _, stats = stx.pull(step, at=stx.modules("layers[*]"), cotangents=True, summarize=stx.stats)(
+        net, optimizer, x, y
+    )
+    assert set(stats) == {"layers[0]_0", "layers[1]_0", "layers[0]_0.grad", "layers[1]_0.grad"}
+    assert stats["layers[1]_0.grad"]["nan_count"] == 0
+
+
+def test_linen_blocks_by_scope():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(3)(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, eps=None):
+            for i in range(2):
+                x = Block()(x)
+                x = x if eps is None else x + eps[i]
+            return jnp.sum(x**2)
+
+    model = Model()
+    params = model.init(jax.random.key(0), X)
+    step = jax.grad(model.apply)
+    _, acts = stx.pull(step, at=stx.scopes("Model/Block_*"), cotangents=True)(params, X)
+    want = jax.grad(lambda e: model.apply(params, X, e))([jnp.zeros((2, 3))] * 2)
+    assert_tree_allclose([acts["Model/Block_0_0.grad"], acts["Model/Block_1_0.grad"]], want)
+
+
+# ---- diffrax: a neural ODE's vector field, both adjoints -----------------------------------
+
+
+SEEN = []
+
+
+@jax.custom_vjp
+def seen_and_scaled(z, scale):
+    return z
+
+
+def _seen_bwd(scale, g):
+    jax.debug.callback(lambda g: SEEN.append(np.asarray(g)), g)
+    return g * scale, None
+
+
+seen_and_scaled.defvjp(lambda z, scale: (z, scale), _seen_bwd)
+
+
+def ode_loss(w, y0, adjoint, by_hand=None):
+    def field(t, y, w):
+        z = jnp.tanh(w * y)
+        return stx.save_inter(z, name="f") if by_hand is None else seen_and_scaled(z, by_hand)
+
+    solution = diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        diffrax.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args=w,
+        saveat=diffrax.SaveAt(t1=True),
+        adjoint=adjoint,
+    )
+    return jnp.sum(solution.ys**2)
+
+
+@pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "backsolve"])
+def test_diffrax_vector_field_read_and_edit(adjoint):
+    """Read: as in any while loop, the cotangent of the backward solve's last evaluation (what
+    a custom_vjp identity's rule received last). Edit: a hook scaling it is the identity that
+    scales its cotangent."""
+    adjoint = {
+        "recursive_checkpoint": diffrax.RecursiveCheckpointAdjoint(),
+        "backsolve": diffrax.BacksolveAdjoint(),
+    }[adjoint]
+    w, y0 = jnp.float32(0.7), jnp.array([0.5, -0.3])
+    SEEN.clear()
+    want = jax.grad(ode_loss)(w, y0, adjoint, 1.0)
+    last = SEEN[-1]
+    grads, acts = stx.pull(jax.grad(ode_loss), cotangents=True)(w, y0, adjoint)
+    (key,) = [k for k in acts if k.endswith(".grad")]
+    assert_tree_allclose((grads, acts[key]), (want, last))
+    planted = stx.plant(jax.grad(ode_loss))({"f.grad": lambda g: 0.5 * g}, w, y0, adjoint)
+    assert_tree_allclose(planted, jax.grad(ode_loss)(w, y0, adjoint, 0.5))

@@ -415,16 +415,20 @@ def _batch(axis_size, vals, dims, **params):
     # copy that is saved has the batch axis at 0; where only some leaves are batched, the others
     # are broadcast so that one value is batched as a whole. A mark on unbatched values stays
     # unbatched (as `jacfwd`'s primal is). A value fed in from outside (`INPUT`) is per example:
-    # it comes in with the batch axis at 0.
+    # it comes in with the batch axis at 0 (a cotangent's, only where its mark's is batched).
     # An unpulled mark on the plain path is an identity: the values handed on are its outputs.
     meta, status = params["meta"], params["status"]
     fed = status == INPUT
-    if not fed and all(d is None for d in dims):
+    if (not fed or meta.grad) and all(d is None for d in dims):
         outs = _bind(list(vals), meta, status)
+        if fed:  # (a cotangent planted for all examples, as its mark gives one)
+            return outs, list(dims)
         return (outs if status == UNPULLED else _outputs(vals, status)), _outputs(dims, status)
     moved = batch_first(axis_size, vals, dims)
     outs = _bind(moved, dataclasses.replace(meta, batch_ndim=meta.batch_ndim + 1), status)
-    if fed or status == UNPULLED:
+    if fed or status == UNPULLED or _cotangents.taps(meta, status, COLLECTING):
+        # (In a `pull(fn, cotangents=True)`, the values go on through the mark, so that their
+        # tangents go through its tap, batch axis first.)
         return outs, [0] * len(outs)
     return _outputs(vals, status), _outputs(dims, status)
 

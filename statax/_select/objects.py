@@ -44,7 +44,7 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
     there by its tree structure."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
-    swapped = []
+    swapped, shadows = [], []
     token = None
     if call is None:  # (the outermost pass: the `of=` models' structures, as given)
         given = _OF_STRUCTURES.get()
@@ -71,7 +71,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
             for path in selection.paths:
                 for name, obj in _resolve_in(roots, path):
                     targets.setdefault(id(obj), (obj, name, selection))
-        for obj, name, selection in targets.values():
+        shadows = _shadows(at, call, targets) if call is not None else []
+        for obj, name, selection in [*targets.values(), *shadows]:
             cls = type(obj)
             if getattr(cls, "_statax_marks", None) is None:
                 marking = _marking(cls, name, selection.inputs, selection.reduce)
@@ -80,12 +81,86 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                 swapped.append((obj, cls))
                 if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai, ...)
                     _register_as(marking, cls)
+        if shadows:
+            shadow_token = _SHADOWS.set(_SHADOWS.get() | {id(o) for o, _, _ in shadows})
         yield [name for _, name, _ in targets.values()]
     finally:
+        if shadows:
+            _SHADOWS.reset(shadow_token)
         for obj, cls in swapped:
             object.__setattr__(obj, "__class__", cls)
         if token is not None:
             _OF_STRUCTURES.reset(token)
+
+
+# The ids of the objects swapped for marking classes only so that trees made from the model (an
+# optimizer's state: `optax.adam`'s moments are copies of it) keep its structure: they do not
+# mark when called.
+_SHADOWS: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "statax_shadows", default=frozenset()
+)
+
+
+def _shadows(at, call, targets: dict) -> list:
+    """`(object, name, selection)` of the objects at the selected paths in the other copies of
+    the model among the arguments (of its class, not it): an optimizer's moments, a model's
+    gradients passed in. Swapped with the selected objects, they keep the trees made from the
+    model (by `jax.grad` inside the function) and them of one structure."""
+    fn, tree, args, kwargs = call
+    roots = {id(r): r for r in _roots_quietly(fn, tree, args, kwargs)}
+    kinds = {type(r) for r in roots.values()}
+    if not kinds or not targets:
+        return []
+    copies = [
+        x
+        for x in jax.tree_util.tree_leaves((tree, args, kwargs), is_leaf=lambda x: type(x) in kinds)
+        if type(x) in kinds and id(x) not in roots
+    ]
+    found = []
+    for copy in copies:
+        for selection in at:
+            if not isinstance(selection, Modules) or selection.of is not None:
+                continue
+            for path in selection.paths:
+                try:
+                    resolved = _resolve(copy, path)
+                except (SelectionError, AttributeError, IndexError, KeyError, TypeError):
+                    continue
+                for name, obj in resolved:
+                    if id(obj) not in targets and any(
+                        n == name and type(o) is type(obj) for o, n, _ in targets.values()
+                    ):
+                        found.append((obj, name, selection))
+    return list({id(o): (o, n, s) for o, n, s in found}.values())
+
+
+def _roots_quietly(fn, tree, args, kwargs) -> list:
+    try:
+        return model_roots(fn, tree, args, kwargs)
+    except SelectionError:
+        return []
+
+
+def unmarked(tree):
+    """`tree` with every object of a marking class made again of its own class (a model that
+    the function returns, rebuilt from the marked one: it must not keep marking)."""
+    if not any(map(_is_marking, jax.tree_util.tree_leaves(tree, is_leaf=_is_marking))):
+        return tree
+
+    def plain(x):
+        if not _is_marking(x) or not hasattr(x, "__dict__"):
+            return x
+        copy = object.__new__(type(x).__mro__[1])
+        copy.__dict__.update(x.__dict__)
+        return jax.tree_util.tree_map(
+            plain, copy, is_leaf=lambda y: y is not copy and _is_marking(y)
+        )
+
+    return jax.tree_util.tree_map(plain, tree, is_leaf=_is_marking)
+
+
+def _is_marking(x) -> bool:
+    return getattr(type(x), "_statax_marks", None) is not None
 
 
 # The names of the selected objects called while a function is traced (`_with_modules`), and
@@ -184,7 +259,7 @@ def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
             objects_marked(chosen) as given,
             objects_marked(chosen, (fn, tree, args, kwargs)) as found,
         ):
-            out = call(tree, *args, **kwargs)
+            out = unmarked(call(tree, *args, **kwargs))
     finally:
         _CALLED.reset(token)
     uncalled = _UNCALLED.get()
@@ -371,6 +446,8 @@ def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
     original = cls.__call__
 
     def __call__(self, *args, **kwargs):  # noqa: N807
+        if id(self) in _SHADOWS.get():  # (a copy of the model kept of its structure)
+            return original(self, *args, **kwargs)
         called = _CALLED.get()
         if called is not None:
             called[name] = None
