@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import statax as stx
-from statax.testing import assert_tree_allclose
+from statax.testing import assert_tree_allclose, hlo_ops
 
 WS = jnp.stack([jnp.eye(3) * s + 0.1 for s in (0.5, -1.0, 2.0)])
 X = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
@@ -439,3 +439,25 @@ def test_diffrax_vector_field_read_and_edit(adjoint):
     assert_tree_allclose((grads, acts[key]), (want, last))
     planted = stx.plant(jax.grad(ode_loss))({"f.grad": lambda g: 0.5 * g}, w, y0, adjoint)
     assert_tree_allclose(planted, jax.grad(ode_loss)(w, y0, adjoint, 0.5))
+
+
+# ---- cost: taps nobody reads are no program at all ------------------------------------------
+
+
+def plain_loss(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+
+def test_taps_not_read_compile_to_the_plain_step():
+    plain = jax.value_and_grad(plain_loss)
+    marked = jax.value_and_grad(loss)
+    assert hlo_ops(marked, WS, X) == hlo_ops(plain, WS, X)
+    unread = stx.pull(marked, cotangents=True, only=lambda meta: False)
+    assert unread(WS, X)[1] == {}
+    assert hlo_ops(unread, WS, X) == hlo_ops(lambda *a: (plain(*a), {}), WS, X)
+    # Read, the cotangents are outputs, and the step itself the same.
+    read = stx.pull(marked, cotangents=True)
+    assert len(hlo_ops(read, WS, X)) > len(hlo_ops(plain, WS, X))
