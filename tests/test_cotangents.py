@@ -461,3 +461,45 @@ def test_taps_not_read_compile_to_the_plain_step():
     # Read, the cotangents are outputs, and the step itself the same.
     read = stx.pull(marked, cotangents=True)
     assert len(hlo_ops(read, WS, X)) > len(hlo_ops(plain, WS, X))
+
+
+# ---- selections: edit and localise in a model nobody marked ---------------------------------
+
+
+class Poisoned(eqx.Module):
+    """Blocks of `y = exp(log((W x + b)^2))`; block 2's weight and bias are zero."""
+
+    blocks: list
+
+    def __init__(self):
+        keys = jax.random.split(jax.random.key(0), 4)
+        self.blocks = [eqx.nn.Linear(3, 3, key=k) for k in keys]
+        zero = lambda layer: eqx.tree_at(  # noqa: E731
+            lambda l: (l.weight, l.bias), layer, (jnp.zeros((3, 3)), jnp.zeros(3))
+        )
+        self.blocks[2] = zero(self.blocks[2])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = jnp.exp(jnp.log(jnp.square(block(x))))
+        return jnp.sum(x)
+
+
+def test_a_selection_plants_and_localises_in_a_model_nobody_marked():
+    model, x = Poisoned(), jnp.ones(3)
+    step = eqx.filter_grad(lambda m, x: m(x))
+    grads, found = stx.first_nonfinite(step, at=stx.modules("blocks[*]"))(model, x)
+    assert found.key == "blocks[2]_0.grad" and found.place == "blocks[2]"
+    np.testing.assert_array_equal(found.value, np.zeros(3))
+    # Cut the path at block 2: no NaN upstream of it, and the first blocks get no gradient.
+    planted = stx.plant(step, at=stx.modules("blocks[*]"))(
+        {"blocks[2]_0.grad": jnp.zeros(3)}, model, x
+    )
+    assert np.isfinite(planted.blocks[0].weight).all()
+    np.testing.assert_array_equal(planted.blocks[0].weight, 0.0)
+    np.testing.assert_array_equal(planted.blocks[3].weight, step(model, x).blocks[3].weight)
+
+
+def test_program_places_are_refused_with_cotangents():
+    with pytest.raises(stx.SelectionError, match="cotangent"):
+        stx.pull(jax.grad(loss), at=stx.primitives("tanh"), cotangents=True)
