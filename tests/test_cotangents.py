@@ -475,7 +475,7 @@ class Poisoned(eqx.Module):
         keys = jax.random.split(jax.random.key(0), 4)
         self.blocks = [eqx.nn.Linear(3, 3, key=k) for k in keys]
         zero = lambda layer: eqx.tree_at(  # noqa: E731
-            lambda l: (l.weight, l.bias), layer, (jnp.zeros((3, 3)), jnp.zeros(3))
+            lambda lin: (lin.weight, lin.bias), layer, (jnp.zeros((3, 3)), jnp.zeros(3))
         )
         self.blocks[2] = zero(self.blocks[2])
 
