@@ -117,14 +117,17 @@ def test_nnx_modules():
     check_against_pull(f, (model, X), found)
 
 
-def test_keras_layers():
+@pytest.mark.parametrize("training", [True, False])
+def test_keras_layers(training):
     model = keras_model()
-    call, args = _stateless(model, jnp.ones((3, 4)), True)
+    call, args = _stateless(model, jnp.ones((3, 4)), training)
     found = stx.sites(call)(*args)
-    assert {"dense_a", "bn_a", "block", "block/inner", "head"} <= {
-        s.place for s in found.of("scope")
-    }
-    check_against_pull(call, args, found, per_kind=6)
+    scopes = [s.place for s in found.of("scope")]
+    assert {"dense_a", "bn_a", "drop_a", "block", "block/inner", "head"} <= set(scopes)
+    drop = found.find("drop_a")  # (in inference a Dropout makes no equations, and is listed)
+    _, got = stx.pull(call, at=drop.selection())(*args)
+    assert drop.nbytes == _arrays_bytes(got) == 3 * 8 * 4
+    check_against_pull(call, args, found, per_kind=8)
 
 
 @pytest.mark.parametrize("stack", [False, True])

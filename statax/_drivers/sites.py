@@ -5,6 +5,7 @@ a `pull` of it would return, found by abstract evaluation (no computation runs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import math
 import re
@@ -20,8 +21,11 @@ from .._core.errors import SelectionError
 from .._core.registry import trips_for
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
+from .._select import keras as _keras
+from .._select import linen as _linen
 from .._select import objects as _objects
 from .._select import report as _report
+from .._select import running as _running
 from .._select import vocabulary as _vocabulary
 from .._select.where import _is_transform, _location, _short, _stack_of
 from .pull import pull
@@ -257,10 +261,12 @@ def _map(fn, args, kwargs) -> Sites:
     modules = (_vocabulary.modules(*paths),) if paths else ()
 
     def traced(*args, **kwargs):  # the function, its submodules marked (idly: not pulled)
-        with _objects.objects_marked(modules, (fn, fn, args, kwargs)):
-            return fn(*args, **kwargs)
+        call = functools.partial(_linen.with_linen, lambda f, *a, **k: f(*a, **k), ())
+        call = functools.partial(_keras.with_keras, call, ())  # (their modules recorded)
+        with _objects.objects_marked(modules, (fn, fn, args, kwargs)), _running.run_marked(()):
+            return call(fn, *args, **kwargs)
 
-    with _objects.calls_recorded() as called:
+    with _objects.calls_recorded() as called, _running.modules_recorded() as ran:
         closed = eqx.filter_make_jaxpr(traced)(*args, **kwargs)[0]
     everything = list(_walk(closed.jaxpr.eqns))
     there = _report.places_in(closed.jaxpr.eqns)
@@ -279,6 +285,7 @@ def _map(fn, args, kwargs) -> Sites:
     rows = _grouped("mark", marks, set(), per_call)
     taken = set(marks)
     scopes = [p for p in there.scopes if p in per_call]  # (not those under a transformation)
+    scopes += [p for p in ran if p not in scopes]  # (a module that makes no equations)
     if scopes:
         scoped = _selectable(fn, args, kwargs, _vocabulary.scopes, scopes)
         rows += _ordered(_grouped("scope", scoped, taken, per_call), scopes)

@@ -15,7 +15,7 @@ from .._core.primitive import mark_as
 from .vocabulary import Scopes, Selection
 from .where import _outside_libraries, outermost_match
 
-__all__ = ["mark_selected", "run_marked"]
+__all__ = ["mark_selected", "marking", "modules_recorded", "run_marked"]
 
 
 # The scope paths marked as their modules ran, in the current `pull` (`None` outside one).
@@ -33,11 +33,30 @@ def mark_selected(chosen: tuple[Scopes, ...], names: list[str], out, marked: set
     """`out`, a module's output, marked where one of `chosen` selects its scope path (`names`,
     its parts) itself, rather than a scope around it."""
     path = "/".join(names)
+    ran = _RAN.get()
+    if ran is not None:
+        ran[path] = None
     for selection in chosen:
         if outermost_match(selection.patterns, names) == path:
             marked.add(path)
             return mark_as(out, path, _outside_libraries(), selection.reduce)
     return out
+
+
+# Where recorded (`modules_recorded`): the scope paths of the modules that ran, in order.
+_RAN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("statax_ran", default=None)
+
+
+@contextlib.contextmanager
+def modules_recorded():
+    """Within, the scope paths of the Linen and Keras modules that run are recorded, also of
+    those that make no equations (a Keras `Dropout` in inference); yields them, in order."""
+    ran: dict = {}
+    token = _RAN.set(ran)
+    try:
+        yield ran
+    finally:
+        _RAN.reset(token)
 
 
 @contextlib.contextmanager
