@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import statax as stx
+from statax._core import fastpaths as _fastpaths
 from statax.testing import assert_tree_allclose, hlo_ops
 
 WS = jnp.stack([jnp.eye(3) * s + 0.1 for s in (0.5, -1.0, 2.0)])
@@ -457,7 +458,10 @@ def test_taps_not_read_compile_to_the_plain_step():
     assert hlo_ops(marked, WS, X) == hlo_ops(plain, WS, X)
     unread = stx.pull(marked, cotangents=True, only=lambda meta: False)
     assert unread(WS, X)[1] == {}
-    assert hlo_ops(unread, WS, X) == hlo_ops(lambda *a: (plain(*a), {}), WS, X)
+    got, want = hlo_ops(unread, WS, X), hlo_ops(lambda *a: (plain(*a), {}), WS, X)
+    # The same instructions; in the same order too where the fast paths are on (off, XLA
+    # schedules the program `pull` evaluates again in another order, taps or none).
+    assert (got if _fastpaths.on else sorted(got)) == (want if _fastpaths.on else sorted(want))
     # Read, the cotangents are outputs, and the step itself the same.
     read = stx.pull(marked, cotangents=True)
     assert len(hlo_ops(read, WS, X)) > len(hlo_ops(plain, WS, X))
