@@ -211,6 +211,16 @@ def test_plant_a_hook_on_the_cotangent_is_a_custom_vjp_identity(jit):
     assert not np.allclose(got[1], step(WS, X)[1])  # (the clip bites)
 
 
+def test_plant_a_cotangent_where_nothing_differentiates_says_so():
+    def f(x):
+        return jnp.sum(stx.save_inter(jnp.sin(x), name="h"))
+
+    with pytest.raises(
+        stx.PlantError, match=r"'h_0.grad'(.|\n)*only where the function differentiates"
+    ):
+        stx.plant(f)({"h_0.grad": jnp.zeros(3)}, jnp.ones(3))
+
+
 def test_plant_zero_cuts_a_path_and_mixes_with_a_forward_plant():
     def f(x):
         a = stx.save_inter(jnp.sin(x), name="a")

@@ -135,10 +135,16 @@ def feed(
                 + ("" if m.reduce is None else f" (reduce={m.reduce!r}: not plantable)")
                 for k, m in zip(keys_of(outs), outs, strict=True)
             )
+            hint = ""
+            if str(key).endswith(".grad"):
+                hint = (
+                    " A cotangent (`.grad`) is there only where the function differentiates "
+                    "the mark (a jax.grad or value_and_grad inside it)."
+                )
             raise PlantError(
                 f"stx.plant: no marked value {key!r}. The marks it can plant are:\n"
                 f'{sites or "  (none)"}\nUse a key as pull returns it ("h_2": the third '
-                '"h"), or a name for every occurrence ("h").'
+                f'"h"), or a name for every occurrence ("h").{hint}'
             )
     out = []
     start = 0
