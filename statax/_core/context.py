@@ -8,6 +8,9 @@ under one apart from the others. Leans on `jax._src.config` and `jax._src.effect
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from jax._src import config as jax_config  # isort: skip
 
 
@@ -26,6 +29,7 @@ __all__ = [
     "SELECTION",
     "STATEFUL",
     "STATE_EFFECT",
+    "within",
 ]
 
 
@@ -143,3 +147,14 @@ COTANGENTS = jax_config.bool_state(
     "Internal to statax: true while statax.pull(fn, cotangents=True) traces a function.",
     include_in_trace_context=True,
 )
+
+
+@contextlib.contextmanager
+def within(var: contextvars.ContextVar, value):
+    """Within, `var` holds `value` (which it yields); after, what it held before. For
+    statax's own context variables, which are not part of JAX's trace context."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)

@@ -16,7 +16,6 @@ tap, there is no tap: a mark's JVP passes its tangents on untouched, as it alway
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -63,10 +62,9 @@ def tapped(meta: StateMeta, tangents: list) -> tuple[StateMeta, list]:
     """In a mark's JVP: `(forward meta, tangents out)`, the forward mark's meta numbered, and
     its tangents through a tap that marks their cotangent. Where a tangent is a symbolic zero
     or of an integer value (`float0`), the tangents pass untouched."""
-    if not tangents or any(_skipped(t) for t in tangents):
-        return meta, tangents
     n = number()
-    return dataclasses.replace(meta, tap=n), tap(meta, n, tangents)
+    out = tap(meta, n, tangents)
+    return (meta, out) if out is tangents else (dataclasses.replace(meta, tap=n), out)
 
 
 def number() -> int:
@@ -76,7 +74,7 @@ def number() -> int:
 
 def tap(meta: StateMeta, n: int, tangents: list) -> list:
     """`tangents` through the tap numbered `n` of the mark `meta`."""
-    if any(_skipped(t) for t in tangents):
+    if not tangents or any(_skipped(t) for t in tangents):
         return tangents
     shapes = _SHAPES.get()
     if shapes is not None:
@@ -91,15 +89,9 @@ _SHAPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
 def shapes_recorded():
     """Within, each tap records the shapes of its mark's arrays, by name; yields the dict."""
-    shapes: dict = {}
-    token = _SHAPES.set(shapes)
-    try:
-        yield shapes
-    finally:
-        _SHAPES.reset(token)
+    return _context.within(_SHAPES, {})
 
 
 def _skipped(tangent) -> bool:

@@ -14,6 +14,7 @@ Private names (`jax._src.traceback_util`, checked on JAX 0.8.0 -- 0.12.0.1): `re
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -43,8 +44,16 @@ def place(file: str, line: int) -> str:
     """`"file:line"`, or in a notebook, for code typed into a cell, `"Cell In[3], line 6"`, as
     IPython's own tracebacks show it (its public `compile.format_code_name`; the file that
     IPython gives a cell, `/tmp/ipykernel_.../2730016506.py`, means nothing to a user)."""
+    cell = _cell(file)
+    return f"{file}:{line}" if cell is None else f"{cell}, line {line}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _cell(file: str) -> str | None:
+    """`"Cell In[3]"` for a file IPython made of a cell, else `None` (once per file: a file is
+    a cell's from the moment it exists)."""
     ipython = sys.modules.get("IPython")  # (never imported here: a notebook has it already)
     shell = ipython.get_ipython() if ipython is not None else None
     named = getattr(getattr(shell, "compile", None), "format_code_name", None)
     label = named(file) if named is not None else None
-    return f"{file}:{line}" if not label else f"{label[0]} {label[1]}, line {line}"
+    return None if not label else f"{label[0]} {label[1]}"

@@ -35,11 +35,10 @@ class _Planted(eqx.Module):
         # A reduced entry, as `pull` returned it (its `Key` knows), sums up many values: it is
         # not one value of the program, and giving it back plants nothing.
         values = {k: v for k, v in values.items() if getattr(k, "reduce", None) is None}
-        cotangents = any(str(k).endswith(".grad") for k in values)  # (taps for those keys)
-        if cotangents:
-            refuse_program_places(self.at)
         planting = Planting.of(values)
-        pulled = _Pulled(self.fn, None, True, None, False, planting, self.at, cotangents)
+        if planting.cotangents:
+            refuse_program_places(self.at)
+        pulled = _Pulled(self.fn, None, True, None, False, planting, self.at, planting.cotangents)
         return call_pulled(pulled, args, kwargs, values)[0]
 
 

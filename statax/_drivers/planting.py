@@ -68,6 +68,11 @@ class Planting:
                         hooks[name].append(spec)
         return cls(frozenset(names), tuple(sorted((n, tuple(h)) for n, h in hooks.items())))
 
+    @property
+    def cotangents(self) -> bool:
+        """Whether a cotangent is planted (a key `"h_0.grad"`): then the marks tap theirs."""
+        return any(name.endswith(".grad") for name in self.names)
+
     def hooks_of(self, name: str) -> tuple:
         return dict(self.hooks).get(name, ())
 

@@ -18,16 +18,14 @@ import numpy as np
 
 from .._core import staging as _staging
 from .._core.errors import SelectionError
-from .._core.registry import trips_for
 from .._core.tracebacks import boundary
-from .._jax import jaxprs as _jaxprs
 from .._select import keras as _keras
 from .._select import linen as _linen
 from .._select import objects as _objects
 from .._select import report as _report
 from .._select import running as _running
 from .._select import vocabulary as _vocabulary
-from .._select.where import _is_transform, _location, _short, _stack_of
+from .._select.where import _is_transform, _location, _short, _stack_of, walk_counted
 from .pull import pull
 
 __all__ = ["Site", "Sites", "sites"]
@@ -239,18 +237,6 @@ def _grouped(kind: str, shapes: dict, skip: set, per_call: dict) -> list[Site]:
     return out
 
 
-def _walk(eqns: Sequence, stack: tuple = (), trips: int | None = 1):
-    """`(stack, eqn, trips)` of every equation at any depth, `trips` the product of the loops'
-    iterations around it (`None` inside a `while_loop`)."""
-    for eqn in eqns:
-        yield stack, eqn, trips
-        inner = trips_for(eqn)
-        inner = None if trips is None or inner is None else trips * inner
-        for sub in _jaxprs.jaxprs_in_params(eqn.params):
-            sub = sub.jaxpr if _jaxprs.wraps_jaxpr(sub) else sub
-            yield from _walk(sub.eqns, _stack_of(stack, eqn), inner)
-
-
 def _map(fn, args, kwargs) -> Sites:
     roots = []
     try:
@@ -268,7 +254,7 @@ def _map(fn, args, kwargs) -> Sites:
 
     with _objects.calls_recorded() as called, _running.modules_recorded() as ran:
         closed = eqx.filter_make_jaxpr(traced)(*args, **kwargs)[0]
-    everything = list(_walk(closed.jaxpr.eqns))
+    everything = list(walk_counted(closed.jaxpr.eqns))
     there = _report.places_in(closed.jaxpr.eqns)
     per_call: dict[str, int | None] = {}  # by mark name and by scope path: its first equation's
     for stack, eqn, trips in everything:

@@ -16,6 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from .._core.context import within
 from .._core.errors import SelectionError
 from .._core.meta import StateMeta
 from .._core.primitive import save_inter
@@ -44,53 +45,51 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
     there by its tree structure."""
     targets: dict[int, tuple[Any, str, Modules]] = {}
-    swapped, shadows = [], []
-    token = None
-    if call is None:  # (the outermost pass: the `of=` models' structures, as given)
-        given = _OF_STRUCTURES.get()
-        new = {
-            id(s.of): jax.tree_util.tree_structure(s.of)
-            for s in at
-            if isinstance(s, Modules) and s.of is not None and id(s.of) not in given
-        }
-        token = _OF_STRUCTURES.set({**given, **new}) if new else None
-    try:
-        for selection in at:
-            if not isinstance(selection, Modules):
-                continue
-            if call is None:  # `of=` models, as they are
-                if selection.of is None:
+    swapped = []
+    with contextlib.ExitStack() as stack:
+        if call is None:  # (the outermost pass: the `of=` models' structures, as given)
+            given = _OF_STRUCTURES.get()
+            new = {
+                id(s.of): jax.tree_util.tree_structure(s.of)
+                for s in at
+                if isinstance(s, Modules) and s.of is not None and id(s.of) not in given
+            }
+            if new:
+                stack.enter_context(within(_OF_STRUCTURES, {**given, **new}))
+        try:
+            for selection in at:
+                if not isinstance(selection, Modules):
                     continue
-                roots = [selection.of]
-            elif selection.of is None:
-                roots = model_roots(*call)
-            else:  # an `of=` model a transformation rebuilt from its leaves: by its structure
-                roots = _rebuilt(selection.of, call)
-                if not roots:
-                    continue
-            for path in selection.paths:
-                for name, obj in _resolve_in(roots, path):
-                    targets.setdefault(id(obj), (obj, name, selection))
-        shadows = _shadows(at, call, targets) if call is not None else []
-        for obj, name, selection in [*targets.values(), *shadows]:
-            cls = type(obj)
-            if getattr(cls, "_statax_marks", None) is None:
-                marking = _marking(cls, name, selection.inputs, selection.reduce)
-                node = not _is_leaf(obj)
-                object.__setattr__(obj, "__class__", marking)
-                swapped.append((obj, cls))
-                if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai, ...)
-                    _register_as(marking, cls)
-        if shadows:
-            shadow_token = _SHADOWS.set(_SHADOWS.get() | {id(o) for o, _, _ in shadows})
-        yield [name for _, name, _ in targets.values()]
-    finally:
-        if shadows:
-            _SHADOWS.reset(shadow_token)
-        for obj, cls in swapped:
-            object.__setattr__(obj, "__class__", cls)
-        if token is not None:
-            _OF_STRUCTURES.reset(token)
+                if call is None:  # `of=` models, as they are
+                    if selection.of is None:
+                        continue
+                    roots = [selection.of]
+                elif selection.of is None:
+                    roots = model_roots(*call)
+                else:  # an `of=` model a transformation rebuilt from its leaves: by structure
+                    roots = _rebuilt(selection.of, call)
+                    if not roots:
+                        continue
+                for path in selection.paths:
+                    for name, obj in _resolve_in(roots, path):
+                        targets.setdefault(id(obj), (obj, name, selection))
+            shadows = _shadows(at, call, targets) if call is not None else []
+            for obj, name, selection in [*targets.values(), *shadows]:
+                cls = type(obj)
+                if getattr(cls, "_statax_marks", None) is None:
+                    marking = _marking(cls, name, selection.inputs, selection.reduce)
+                    node = not _is_leaf(obj)
+                    object.__setattr__(obj, "__class__", marking)
+                    swapped.append((obj, cls))
+                    if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai)
+                        _register_as(marking, cls)
+            if shadows:
+                ids = _SHADOWS.get() | {id(o) for o, _, _ in shadows}
+                stack.enter_context(within(_SHADOWS, ids))
+            yield [name for _, name, _ in targets.values()]
+        finally:
+            for obj, cls in swapped:
+                object.__setattr__(obj, "__class__", cls)
 
 
 # The ids of the objects swapped for marking classes only so that trees made from the model (an
@@ -181,17 +180,9 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
     the submodule's marks does not call it again, and is no error; one that closes over the
     model and traced it before the selection is.) With `only=`, whose selection no mark of a
     name is known to pass, nothing is checked."""
-    uncalled: list = []
-    token = _UNCALLED.set(uncalled)
-    try:
+    with within(_UNCALLED, []) as uncalled:
         yield
-    finally:
-        _UNCALLED.reset(token)
-    if not uncalled or only is not None:
-        return
-    tolerated = _TOLERATED.get()
-    if tolerated is not None:  # (`stx.sites`: what is not called is not listed)
-        tolerated.extend(name for name, _ in uncalled)
+    if not uncalled or only is not None or _TOLERATED.get():  # (`stx.sites`: not listed)
         return
     names = {m.name for m in metas()}
     missing = [(name, chosen) for name, chosen in uncalled if name not in names]
@@ -205,33 +196,20 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
         )
 
 
-_TOLERATED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "statax_uncalled_tolerated", default=None
+_TOLERATED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "statax_uncalled_tolerated", default=False
 )
 
 
-@contextlib.contextmanager
 def uncalled_tolerated():
-    """Within, a selected submodule that the function does not call is no error; yields the
-    list of their names, once `pull` has traced."""
-    names: list = []
-    token = _TOLERATED.set(names)
-    try:
-        yield names
-    finally:
-        _TOLERATED.reset(token)
+    """Within, a selected submodule that the function does not call is no error."""
+    return within(_TOLERATED, True)
 
 
-@contextlib.contextmanager
 def calls_recorded():
     """Within, the selected objects record their calls; yields their names, in the order
     first called (`stx.sites` lists modules so)."""
-    called: dict = {}
-    token = _CALLED.set(called)
-    try:
-        yield called
-    finally:
-        _CALLED.reset(token)
+    return within(_CALLED, {})
 
 
 def module_paths(root, limit: int = 4096) -> list[str]:
@@ -252,16 +230,12 @@ def module_paths(root, limit: int = 4096) -> list[str]:
 
 
 def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
-    called: dict = {}
-    token = _CALLED.set(called)
-    try:
-        with (
-            objects_marked(chosen) as given,
-            objects_marked(chosen, (fn, tree, args, kwargs)) as found,
-        ):
-            out = unmarked(call(tree, *args, **kwargs))
-    finally:
-        _CALLED.reset(token)
+    with (
+        calls_recorded() as called,
+        objects_marked(chosen) as given,
+        objects_marked(chosen, (fn, tree, args, kwargs)) as found,
+    ):
+        out = unmarked(call(tree, *args, **kwargs))
     uncalled = _UNCALLED.get()
     if uncalled is not None:  # (always, inside a `pull`: see `calls_checked`)
         uncalled.extend((name, chosen) for name in (*given, *found) if name not in called)

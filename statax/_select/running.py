@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 
+from .._core.context import within
 from .._core.primitive import mark_as
 from .vocabulary import Scopes, Selection
 from .where import _outside_libraries, outermost_match
@@ -47,16 +48,10 @@ def mark_selected(chosen: tuple[Scopes, ...], names: list[str], out, marked: set
 _RAN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("statax_ran", default=None)
 
 
-@contextlib.contextmanager
 def modules_recorded():
     """Within, the scope paths of the Linen and Keras modules that run are recorded, also of
     those that make no equations (a Keras `Dropout` in inference); yields them, in order."""
-    ran: dict = {}
-    token = _RAN.set(ran)
-    try:
-        yield ran
-    finally:
-        _RAN.reset(token)
+    return within(_RAN, {})
 
 
 @contextlib.contextmanager
@@ -64,12 +59,8 @@ def run_marked(chosen: tuple[Selection, ...]):
     """Within, the modules whose scopes `chosen` selects are marked as they run; yields
     `chosen` as a function of nothing, for once they have run: its scope selections then skip
     the scopes marked so."""
-    marked: set = set()
-    token = _RUN_MARKED.set(marked)
-    try:
+    with within(_RUN_MARKED, set()) as marked:
         yield lambda: tuple(
             dataclasses.replace(s, marked=frozenset(marked)) if isinstance(s, Scopes) else s
             for s in chosen
         )
-    finally:
-        _RUN_MARKED.reset(token)

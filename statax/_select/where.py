@@ -14,6 +14,7 @@ from typing import Any
 from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 
+from .._core.registry import trips_for
 from .._core.tracebacks import place
 from .._jax import jaxprs as _jaxprs
 
@@ -100,10 +101,25 @@ _LOCATIONS: dict = {}
 
 
 def _walk_eqns(eqns: Sequence, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+    for stack_, eqn, _ in walk_counted(eqns, stack, None):
+        yield stack_, eqn
+
+
+def walk_counted(
+    eqns: Sequence, stack: tuple = (), trips: int | None = 1
+) -> Iterator[tuple[tuple, Any, int | None]]:
+    """`(stack, eqn, trips)` of every equation at any depth, `stack` the name stack's elements
+    around it and `trips` the product of the iterations of the loops around it
+    (`register_trips`; `None` inside a `while_loop`, or where `trips` is `None`: not counted)."""
     for eqn in eqns:
-        yield stack, eqn
+        yield stack, eqn, trips
+        inner = None
         for sub in _jaxprs.jaxprs_in_params(eqn.params):
-            yield from _walk(sub, _stack_of(stack, eqn))
+            if inner is None and trips is not None:
+                count = trips_for(eqn)
+                inner = None if count is None else trips * count
+            sub = sub.jaxpr if _jaxprs.wraps_jaxpr(sub) else sub
+            yield from walk_counted(sub.eqns, _stack_of(stack, eqn), inner)
 
 
 def _walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
