@@ -1,7 +1,7 @@
 """statax's own state in JAX's trace context, and the effects its primitives carry.
 
-Each state (`PULLING`, `SCOPE`, `PLANTING`, `SELECTION`, `STATEFUL`, `RAN_MASKS`,
-`DIFFERENTIATING`) is part of JAX's trace context, so that `jax.jit` keeps the traces made
+Each state (`PULLING`, `SCOPE`, `PLANTING`, `SELECTION`, `PLACES`, `STATEFUL`, `RAN_MASKS`,
+`DIFFERENTIATING`, `COTANGENTS`) is part of JAX's trace context, so that `jax.jit` keeps the traces made
 under one apart from the others. Leans on `jax._src.config` and `jax._src.effects` (JAX 0.8 --
 0.12; listed in `docs/maintaining.md`).
 """
@@ -21,6 +21,7 @@ __all__ = [
     "COTANGENTS",
     "DIFFERENTIATING",
     "NO_EFFECTS",
+    "PLACES",
     "PLANTING",
     "PULLING",
     "RAN_MASKS",
@@ -104,6 +105,18 @@ SELECTION = jax_config.string_or_object_state(
     "statax_selection",
     None,
     "Internal to statax: the selection (pull's only=) in force.",
+    include_in_trace_context=True,
+)
+
+
+# The selections (`pull(fn, at=...)`) of the `pull`s tracing, outermost first, or `()`. Part of the
+# trace context, since what they mark is decided where a function runs (a Linen or Keras module
+# as it is called, a place in the program once traced): a `jax.jit` inside the function, or a
+# trace kept by statax, made for one selection must not answer for another.
+PLACES = jax_config.string_or_object_state(
+    "statax_places",
+    (),
+    "Internal to statax: the selections (pull's at=) in force.",
     include_in_trace_context=True,
 )
 

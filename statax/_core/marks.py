@@ -22,7 +22,7 @@ from .meta import StateMeta
 from .primitive import INPUT, collected, save_inter_p
 from .registry import _rules_for, declares_flags, flags_for, on_forget
 
-__all__ = ["acts_on", "find_saves", "find_saves_in_impl", "selecting", "traced_impl"]
+__all__ = ["acts_on", "find_saves", "find_saves_in", "find_saves_in_impl", "selecting", "traced_impl"]
 
 
 # ---- which marks a rewrite acts on ----------------------------------------------------------
@@ -95,6 +95,11 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     return _marks(jaxpr)[0]
+
+
+def find_saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[StateMeta, ...]:
+    """`find_saves` of a jaxpr's equations (not cached)."""
+    return _saves_in(eqns)[0]
 
 
 def _marks(jaxpr: jex.Jaxpr) -> tuple[tuple[StateMeta, ...], list[tuple[StateMeta, ...]]]:

@@ -112,7 +112,10 @@ class _Pulled:
 def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     """`pulled(*args, **kwargs)`: `(out, intermediates)`; for `plant`, with `values` planted."""
     if pulled.at:  # the objects of an `of=` model mark their calls before anything is flattened
-        with _objects.objects_marked(pulled.at):
+        with (
+            _context.PLACES((*_context.PLACES.value, *pulled.at)),
+            _objects.objects_marked(pulled.at),
+        ):
             return _call_pulled(pulled, args, kwargs, values)
     return _call_pulled(pulled, args, kwargs, values)
 
@@ -143,7 +146,7 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
         and all(map(_is_array, leaves))
     )
     if eager:
-        compiled = lookup(root, (pulled.only, pulled.ran), _COMPILED)
+        compiled = lookup(root, (pulled.only, pulled.ran, pulled.at), _COMPILED)
         if compiled is not None:
             result = _run_compiled(compiled, tree, args, kwargs)
             if result is not None:
@@ -162,7 +165,7 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
     return _run(pulled, root, call, leaves, treedef, values, eager, in_program)
 
 
-# root callable (held weakly) -> OrderedDict((only, ran) -> compiled evaluation)
+# root callable (held weakly) -> OrderedDict((only, ran, at) -> compiled evaluation)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GENERATION = [0]  # counts the times the handlers changed (a pull keeps its compiled evaluation)
 
@@ -221,16 +224,17 @@ def _run_compiled(compiled, tree, args, kwargs) -> tuple | None:
 _CALL = threading.local()
 
 
-def _compile(root, call, only, ran) -> None:
-    """Keep a compiled evaluation for `root` called with `only` and `ran` (once its first eager
-    call has found it to be one `jit`: errors in the first trace are raised from `pull`'s own)."""
-    key = (only, ran)
+def _compile(root, call, only, ran, at) -> None:
+    """Keep a compiled evaluation for `root` called with `only`, `ran` and the places `at`
+    selects in the program (once its first eager call has found it to be one `jit`: errors in
+    the first trace are raised from `pull`'s own)."""
+    key = (only, ran, at)
     if lookup(root, key, _COMPILED) is None:
         plain = isinstance(call, functools.partial)
-        store(root, key, jax.jit(_evaluation(weakref.ref(root), plain, only, ran)), _COMPILED)
+        store(root, key, jax.jit(_evaluation(weakref.ref(root), plain, only, ran, at)), _COMPILED)
 
 
-def _evaluation(root_ref, plain: bool, only, ran) -> Callable:
+def _evaluation(root_ref, plain: bool, only, ran, at) -> Callable:
     # `root` is held weakly, so that the cache entry this lives in does not keep it alive.
     def evaluate(tree, *args, **kwargs):
         _CALL.traced = True
@@ -245,7 +249,7 @@ def _evaluation(root_ref, plain: bool, only, ran) -> Callable:
             call = _call_tree if isinstance(root, type) else root
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
         with _context.RAN_MASKS(ran):
-            entry, dynamic = _entry(root, call, leaves, treedef, only)
+            entry, dynamic = _entry(root, call, leaves, treedef, only, at, at)
         if not _one_jit(entry):
             raise _NotCompiled
         out, inters = _evaluate(entry, dynamic, ran)
@@ -285,7 +289,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
     ):
         entry, dynamic = _entry(root, call, leaves, treedef, only, pulled.at, in_program)
     if eager and _one_jit(entry):
-        _compile(root, call, only, ran)
+        _compile(root, call, only, ran, pulled.at)
     if values is not None:  # `plant`: its values, checked against the marks
         fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)
     elif entry.ins:  # within an enclosing plant: what it plants comes in from outside

@@ -25,7 +25,7 @@ from .._core.primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_in
 from .._core.registry import flags_for
 from .._jax import jaxprs as _jaxprs
 from .report import _check_found
-from .running import run_marked
+from .running import marks_found, run_marked
 from .vocabulary import Primitives, Scopes, Selection, _describe
 from .where import _holds_jaxprs, _is_transform, _location, _stack_of, _walk
 
@@ -43,8 +43,9 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
     arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
     with run_marked(chosen) as after_marking:
         closed = _jaxprs.trace(flat, [jax.typeof(x) for x in arrays], name="select")
-    chosen = after_marking()
-    _check_found((closed.jaxpr if _jaxprs.wraps_jaxpr(closed) else closed).eqns, chosen)
+    eqns = (closed.jaxpr if _jaxprs.wraps_jaxpr(closed) else closed).eqns
+    chosen = marks_found(after_marking(), eqns)
+    _check_found(eqns, chosen)
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
     out_def, static = out_info[0]
     full = [next(outs) if s is None else s[0] for s in static]
@@ -271,6 +272,7 @@ def _merged(marks: Sequence, leaves: Sequence, found: list) -> list:
 def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, dict]:
     """`(top, rewritten)`: the marks at this level, `(position, meta, variables)` (`position`:
     how many equations precede them), and the equations that hold others, by index."""
+    chosen = marks_found(chosen, eqns)
     _check_found(eqns, chosen)
     plan = _plan(eqns, returned, (), chosen)
     selection = _context.SELECTION.value  # `pull(fn, only=...)`: the marks it collects

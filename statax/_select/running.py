@@ -12,11 +12,12 @@ import contextvars
 import dataclasses
 
 from .._core.context import within
+from .._core.marks import find_saves_in
 from .._core.primitive import mark_as
 from .vocabulary import Scopes, Selection
 from .where import _outside_libraries, outermost_match
 
-__all__ = ["mark_selected", "marking", "modules_recorded", "run_marked"]
+__all__ = ["mark_selected", "marking", "marks_found", "modules_recorded", "run_marked"]
 
 
 # The scope paths marked as their modules ran, in the current `pull` (`None` outside one).
@@ -64,3 +65,20 @@ def run_marked(chosen: tuple[Selection, ...]):
             dataclasses.replace(s, marked=frozenset(marked)) if isinstance(s, Scopes) else s
             for s in chosen
         )
+
+
+def marks_found(chosen: tuple[Selection, ...], eqns) -> tuple[Selection, ...]:
+    """`chosen` with the scopes that were marked as their modules ran found in `eqns` too: a
+    `jax.jit` inside the function whose trace JAX kept from an earlier call (under the same
+    selections) runs no module again, but holds the marks they made."""
+    scopes = [s for s in chosen if isinstance(s, Scopes)]
+    if not scopes:
+        return chosen
+    names = {meta.name for meta in find_saves_in(eqns)}
+    found = {
+        s: frozenset(n for n in names if outermost_match(s.patterns, n.split("/")) == n)
+        for s in scopes
+    }
+    return tuple(
+        dataclasses.replace(s, marked=s.marked | found[s]) if found.get(s) else s for s in chosen
+    )
