@@ -240,7 +240,7 @@ def test_linen_scopes_through_a_jit_kept_from_another_function():
     assert_same(dict(first[1]), dict(second[1]))
 
 
-# ---- Keras: a stateless_call under jax.jit --------------------------------------------------------
+# ---- Keras: a stateless_call under jax.jit ------------------------------------------------------
 
 
 def make_keras():

@@ -1,9 +1,9 @@
 """statax's own state in JAX's trace context, and the effects its primitives carry.
 
 Each state (`PULLING`, `SCOPE`, `PLANTING`, `SELECTION`, `PLACES`, `STATEFUL`, `RAN_MASKS`,
-`DIFFERENTIATING`, `COTANGENTS`) is part of JAX's trace context, so that `jax.jit` keeps the traces made
-under one apart from the others. Leans on `jax._src.config` and `jax._src.effects` (JAX 0.8 --
-0.12; listed in `docs/maintaining.md`).
+`DIFFERENTIATING`, `COTANGENTS`) is part of JAX's trace context, so that `jax.jit` keeps the
+traces made under one apart from the others. Leans on `jax._src.config` and
+`jax._src.effects` (JAX 0.8 -- 0.12; listed in `docs/maintaining.md`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,14 @@ from .meta import StateMeta
 from .primitive import INPUT, collected, save_inter_p
 from .registry import _rules_for, declares_flags, flags_for, on_forget
 
-__all__ = ["acts_on", "find_saves", "find_saves_in", "find_saves_in_impl", "selecting", "traced_impl"]
+__all__ = [
+    "acts_on",
+    "find_saves",
+    "find_saves_in",
+    "find_saves_in_impl",
+    "selecting",
+    "traced_impl",
+]
 
 
 # ---- which marks a rewrite acts on ----------------------------------------------------------
