@@ -237,6 +237,64 @@ def test_plant_zero_cuts_a_path_and_mixes_with_a_forward_plant():
     assert_tree_allclose(grads, 2.0 * jnp.cos(x))
 
 
+def test_plant_names_each_occurrence_as_pull_does():
+    """Two occurrences of one name: `"s_0.grad"` is the first mark's cotangent, as `pull`
+    keys it, not the first the backward pass reaches (issue 39, item 1)."""
+
+    def f(x):
+        a = stx.save_inter(jnp.sin(x), name="s")
+        b = stx.save_inter(jnp.cos(x[:1]), name="s")
+        return jnp.sum(a) + 2.0 * jnp.sum(b)
+
+    x = jnp.array([0.5, 1.0])
+    step = jax.grad(f)
+    cut_first = stx.plant(step)({"s_0.grad": jnp.zeros(2)}, x)
+    assert_tree_allclose(cut_first, jnp.array([-2.0 * jnp.sin(0.5), 0.0]))
+    cut_second = stx.plant(step)({"s_1.grad": jnp.zeros(1)}, x)
+    assert_tree_allclose(cut_second, jnp.cos(x))
+    with pytest.raises(stx.PlantError, match=r"'s_1.grad'.*float32\[2\].*float32\[1\]"):
+        stx.plant(step)({"s_1.grad": jnp.zeros(2)}, x)  # (s_0's shape)
+    # Planting back what pull read changes nothing.
+    _, inters = stx.pull(step, cotangents=True)(x)
+    grads = {k: v for k, v in inters.items() if k.endswith(".grad")}
+    assert sorted(grads) == ["s_0.grad", "s_1.grad"]
+    assert_tree_allclose(stx.plant(step)(grads, x), step(x))
+
+
+def test_plant_a_tied_layer_applied_twice():
+    """One `jax.jit` layer called twice: JAX differentiates its trace once for both calls, and
+    each call's cotangent is still its own."""
+
+    @jax.jit
+    def layer(w, h):
+        return jnp.tanh(stx.save_inter(h * w, name="pre"))
+
+    def f(w, x):
+        return jnp.sum(layer(w, layer(w, x)) ** 2)
+
+    w, x = jnp.float32(0.8), jnp.linspace(-1.0, 1.0, 3)
+    step = jax.grad(f, argnums=1)
+
+    def by_hand(scale_first):  # the cotangent of the first call's `pre` scaled
+        @jax.custom_vjp
+        def scaled(v):
+            return v
+
+        scaled.defvjp(lambda v: (v, None), lambda _, g: (g * scale_first,))
+        return jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(scaled(x * w)) * w) ** 2), 1)(w, x)
+
+    def perturbed(d0, d1):  # f with a perturbation added at each call's `pre`
+        h = jnp.tanh(x * w + d0)
+        return jnp.sum(jnp.tanh(h * w + d1) ** 2)
+
+    _, inters = stx.pull(step, cotangents=True)(w, x)
+    assert sorted(inters) == ["pre_0", "pre_0.grad", "pre_1", "pre_1.grad"]
+    want = jax.grad(perturbed, argnums=(0, 1))(jnp.zeros(3), jnp.zeros(3))
+    assert_tree_allclose((inters["pre_0.grad"], inters["pre_1.grad"]), want)
+    got = stx.plant(step)({"pre_0.grad": lambda g: 3.0 * g}, w, x)
+    assert_tree_allclose(got, by_hand(3.0))
+
+
 # ---- localise ------------------------------------------------------------------------------
 
 
@@ -288,7 +346,57 @@ def test_first_nonfinite_per_example_under_vmap():
     xs = jnp.stack([x, x.at[:].set(-0.4)])  # example 1: z is 0 in layer 0 as well
     per_example = jax.vmap(jax.grad(poisoned), in_axes=(None, None, 0))
     _, found = stx.first_nonfinite(per_example)(ws, bs, xs)
-    assert found.key == "pre_0.grad" and found.index == (1, 3)  # (example, layer)
+    # Both examples go non-finite at layer 3, which the backward pass reaches first; of the
+    # two, the lower example (a tie-break).
+    assert found.key == "pre_0.grad" and found.index == (0, 3)  # (example, layer)
+
+
+def test_first_nonfinite_orders_by_layer_before_example():
+    """Example 0 goes non-finite at layer 3, example 1 at layer 1: the backward pass reaches
+    layer 3 first (issue 39, item 5)."""
+
+    def pe(x, keep):
+        def layer(h, k):
+            z = stx.save_inter(h * k, name="z")
+            return h + jnp.sqrt(z), None
+
+        return jax.lax.scan(layer, x, keep)[0].sum()
+
+    keep = jnp.ones((2, 4)).at[0, 3].set(0.0).at[1, 1].set(0.0)
+    _, found = stx.first_nonfinite(jax.vmap(jax.grad(pe)))(jnp.ones((2, 2)), keep)
+    assert found.key == "z_0.grad" and found.index == (0, 3)
+    np.testing.assert_array_equal(found.value, jnp.zeros(2))
+
+
+def test_first_nonfinite_answers_alike_on_a_cached_call():
+    """The second call with the same shapes takes the cached trace: the same answer (item 3)."""
+
+    def loss(ws, x):
+        def layer(h, w):
+            z = stx.save_inter(h * w, name="z")
+            return h + jnp.sqrt(z), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+    step = jax.grad(loss)
+    answers = [stx.first_nonfinite(step)(jnp.array([1.0, 0.0, 1.0]), jnp.array([1.0, 2.0]))[1]]
+    answers.append(stx.first_nonfinite(step)(jnp.array([1.0, 0.0, 1.0]), jnp.array([1.0, 2.0]))[1])
+    for found in answers:
+        assert found.key == "z_0.grad" and found.index == (1,)
+        np.testing.assert_array_equal(found.value, jnp.zeros(2))
+
+
+def test_first_nonfinite_keeps_the_example_under_a_vmap_inside_the_grad():
+    """A batch-mean loss: the `vmap` is inside the differentiation (item 4)."""
+
+    def f(w, xs):
+        return jnp.mean(jax.vmap(lambda x: jnp.sum(jnp.sqrt(stx.save_inter(x * w, name="z"))))(xs))
+
+    xs = jnp.array([[1.0, 2.0], [0.0, 4.0], [5.0, 6.0]])
+    _, found = stx.first_nonfinite(jax.grad(f))(jnp.ones(2), xs)
+    assert found.key == "z_0.grad" and found.index == (1,)
+    np.testing.assert_array_equal(found.value, xs[1])
+    assert np.isinf(np.asarray(found.cotangent)[0])
 
 
 # ---- real training steps, models nobody marked ---------------------------------------------

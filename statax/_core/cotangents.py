@@ -16,7 +16,6 @@ tap, there is no tap: a mark's JVP passes its tangents on untouched, as it alway
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -33,7 +32,6 @@ __all__ = [
     "cotangent_tap_p",
     "number",
     "on_transpose",
-    "shapes_recorded",
     "tap",
     "tapped",
     "taps",
@@ -76,22 +74,9 @@ def tap(meta: StateMeta, n: int, tangents: list) -> list:
     """`tangents` through the tap numbered `n` of the mark `meta`."""
     if not tangents or any(_skipped(t) for t in tangents):
         return tangents
-    shapes = _SHAPES.get()
-    if shapes is not None:
-        shapes.setdefault(meta.name, [tuple(t.shape) for t in tangents])
-    return cotangent_tap_p.bind(*tangents, meta=dataclasses.replace(meta, tap=n, grad=True))
-
-
-# Where recorded (`shapes_recorded`): the shapes of each tapped name's arrays at its mark, one
-# occurrence's (what a loop stacks, or a `vmap` batches, comes in front of them).
-_SHAPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "statax_tap_shapes", default=None
-)
-
-
-def shapes_recorded():
-    """Within, each tap records the shapes of its mark's arrays, by name; yields the dict."""
-    return _context.within(_SHAPES, {})
+    site = tuple(tuple(t.shape[meta.batch_ndim :]) for t in tangents)
+    grad = dataclasses.replace(meta, tap=n, grad=True, site=site)
+    return cotangent_tap_p.bind(*tangents, meta=grad)
 
 
 def _skipped(tangent) -> bool:

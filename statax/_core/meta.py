@@ -112,6 +112,12 @@ class StateMeta:
             its cotangent's (`_core.cotangents`), so that the cotangent is keyed after it.
         grad: whether the leaves are the cotangent that flowed back through the mark `tap`
             numbers (keyed `f"{key}.grad"`), not its value.
+        site: for a cotangent, the shapes of one occurrence's arrays at its mark (without the
+            axes a `vmap` or a loop puts in front), so that its index is known.
+        outer_batch: for a cotangent tapped in a loop that a `vmap` outside it batches (whose
+            value an exposer took out of the loop, batch axes first), how many of its batch
+            axes come from outside: a loop that stacks it keeps them in front, as its value has
+            them.
     """
 
     name: str
@@ -124,6 +130,8 @@ class StateMeta:
     flagged: bool = False
     tap: int | None = None
     grad: bool = False
+    site: tuple = ()
+    outer_batch: int = 0
 
     @property
     def planted_as(self) -> str:
@@ -175,13 +183,20 @@ def occurrences(metas: Sequence[StateMeta]) -> list[tuple[str, int]]:
     return out
 
 
-def keys_of(metas: Sequence[StateMeta]) -> list[str]:
+def keys_of(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> list[str]:
     """The key `pull` gives each intermediate: `f"{name}_{n}"`, `n` counting the name's
     occurrences in order; a reduced name is keyed by itself; a cotangent by its value's key and
-    `.grad`."""
+    `.grad`, its value being among `metas`, or else among `values` (the marks `pull` keys: for
+    what `plant` takes in, where a cotangent comes without its value)."""
     counts: dict[str, int] = {}
     keys = []
-    tapped: dict[int, str] = {}  # tap number -> the key of the value it taps
+    # tap number -> the keys of the values it taps, in program order: one, or one per call of a
+    # function that JAX differentiated once for all of them (a `jax.jit` called twice)
+    tapped: dict[int, list[str]] = {}
+    for meta, key in zip(values, keys_of(values) if values else (), strict=True):
+        if meta.tap is not None and not meta.grad:
+            tapped.setdefault(meta.tap, []).append(key)
+    own = not tapped
     for meta in metas:
         if meta.reduce is not None:
             keys.append(meta.name)
@@ -192,12 +207,15 @@ def keys_of(metas: Sequence[StateMeta]) -> list[str]:
         n = counts.get(meta.name, 0)
         counts[meta.name] = n + 1
         keys.append(f"{meta.name}_{n}")
-        if meta.tap is not None:
-            tapped[meta.tap] = keys[-1]
+        if meta.tap is not None and own:
+            tapped.setdefault(meta.tap, []).append(keys[-1])
     grads: dict[str, int] = {}  # (a cotangent whose value is not among `metas`: counted apart)
     for i, meta in enumerate(metas):
         if keys[i] is None:
-            key = tapped.get(meta.tap)
+            # The backward pass runs the calls that share a tap in reverse: the first cotangent
+            # is the last call's.
+            calls = tapped.get(meta.tap)
+            key = calls.pop() if calls else None
             if key is None:
                 n = grads.get(meta.name, 0)
                 grads[meta.name] = n + 1

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import cotangents as _cotangents
 from .._core.tracebacks import boundary
 from .pull import pull
 
@@ -30,8 +29,10 @@ class NonFinite:
             the module).
         index: where in the occurrences the key stacks: one index per leading axis that a
             `vmap` (the examples, first) or a loop (its iterations) adds, `()` for a value
-            marked once. Of the non-finite entries, the first the backward pass reached (the
-            last iteration of a loop, which the backward pass runs first).
+            marked once. Of the non-finite entries, the first the backward pass reached: the
+            latest loop iteration (the backward pass runs loops from their last iteration),
+            and of entries at the same iterations, the lowest example (examples run
+            together, so the example index only breaks ties).
         value: the forward value there (that occurrence of the mark).
         cotangent: the cotangent there.
     """
@@ -79,9 +80,8 @@ def first_nonfinite(fn: Callable, *, at: Any = None) -> Callable[..., tuple[Any,
         out = fn(*args, **kwargs)
         if _finite(out):
             return out, None
-        with _cotangents.shapes_recorded() as shapes:
-            out, inters = pull(fn, at=at, cotangents=True)(*args, **kwargs)
-        return out, _first(inters, shapes)
+        out, inters = pull(fn, at=at, cotangents=True)(*args, **kwargs)
+        return out, _first(inters)
 
     return run
 
@@ -95,33 +95,41 @@ def _finite(tree) -> bool:
     return bool(jnp.stack(leaves).all()) if leaves else True
 
 
-def _first(inters: dict, shapes: dict) -> NonFinite | None:
+def _reached(index: tuple[int, ...], batch_ndim: int) -> tuple:
+    """How early the backward pass reaches the occurrence at `index` (smaller: earlier): the
+    later a loop iteration, the earlier (the backward pass runs loops from their last
+    iteration); of the same iterations, the lower example first (examples run together)."""
+    return (tuple(-i for i in index[batch_ndim:]), index[:batch_ndim])
+
+
+def _first(inters: dict) -> NonFinite | None:
     """The first non-finite cotangent among `inters` in backward order: the `.grad` keys in
     the order the backward pass made them; of keys stacked alike next to each other (marks of
-    one loop body), the one non-finite at the latest iteration."""
-    found = []  # (key, leading index), in the order the backward pass made them
+    one loop body), the one non-finite at the iteration the backward pass reaches first."""
+    found = []  # (key, leading index, how early it is reached), in the order the pass made them
     for key, value in inters.items():
         if not key.endswith(".grad"):
             continue
-        name = key[: -len(".grad")].rsplit("_", 1)[0]
         leaves = jax.tree_util.tree_leaves(value)
-        site = shapes.get(name)
-        lead = 0 if site is None else len(np.shape(leaves[0])) - len(site[0])
+        site = getattr(key, "site", ())
+        lead = len(np.shape(leaves[0])) - len(site[0]) if site else 0
+        batch_ndim = min(getattr(key, "batch_ndim", 0), lead)
         bad = np.zeros(np.shape(leaves[0])[:lead], bool)
         for leaf in leaves:
             finite = np.isfinite(np.asarray(leaf))
             bad |= ~finite.reshape(*finite.shape[:lead], -1).all(axis=-1)
         if bad.any():
-            index = max(tuple(int(i) for i in ix) for ix in np.argwhere(bad)) if lead else ()
-            found.append((key, index))
+            indices = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)] if lead else [()]
+            index = min(indices, key=lambda ix: _reached(ix, batch_ndim))
+            found.append((key, index, _reached(index, batch_ndim)))
     if not found:
         return None
-    key, index = found[0]
-    for other, other_index in found[1:]:  # (the same loop's: its latest iteration first)
-        if len(other_index) != len(index) or not index:
+    key, index, reached = found[0]
+    for other, other_index, other_reached in found[1:]:  # (the same loop's, next to it)
+        if not reached[0] or len(other_reached[0]) != len(reached[0]):
             break
-        if other_index > index:
-            key, index = other, other_index
+        if other_reached[0] < reached[0]:  # (a later iteration: reached first)
+            key, index, reached = other, other_index, other_reached
     forward = key[: -len(".grad")]
     pick = lambda tree: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
     return NonFinite(

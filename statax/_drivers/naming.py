@@ -51,25 +51,39 @@ class Key(str):
     """A key of the dict `pull` returns: the string `f"{name}_{n}"` (or the name of a reduced
     entry), which also knows where its value was saved, `key.location` (`"file.py:line"`), and
     its `save_inter`'s `reduce` mode (`key.reduce`, `None` for one occurrence). It travels with
-    the result: through `dict(inters)`, `summarize=`, and JAX transformations."""
+    the result: through `dict(inters)`, `summarize=`, and JAX transformations. A cotangent's
+    key also knows the shapes of one occurrence's arrays at the mark (`key.site`) and how many
+    of the leading axes in front of them are examples of a `vmap` (`key.batch_ndim`; the
+    others are loop iterations)."""
 
     location: str
     reduce: str | None
+    site: tuple
+    batch_ndim: int
 
-    def __new__(cls, key: str, location: str, reduce: str | None = None) -> Key:
+    def __new__(
+        cls,
+        key: str,
+        location: str,
+        reduce: str | None = None,
+        site: tuple = (),
+        batch_ndim: int = 0,
+    ) -> Key:
         self = super().__new__(cls, key)
         self.location = location
         self.reduce = reduce
+        self.site = site
+        self.batch_ndim = batch_ndim
         return self
 
     def __reduce__(self):
-        return (Key, (str(self), self.location, self.reduce))
+        return (Key, (str(self), self.location, self.reduce, self.site, self.batch_ndim))
 
 
 @functools.lru_cache(maxsize=4096)
-def _key(name: str, location: str, reduce: str | None) -> Key:
+def _key(name: str, location: str, reduce: str | None, site=(), batch_ndim=0) -> Key:
     """The `Key` (made once: keys are immutable)."""
-    return Key(name, location, reduce)
+    return Key(name, location, reduce, site, batch_ndim)
 
 
 def origins(inters: dict) -> dict[str, str]:
@@ -142,7 +156,8 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
             if name in sites:
                 raise KeyCollisionError(name, sites[name], meta)
             sites[name] = meta
-            plan.append((_key(name, meta.location, meta.reduce), meta, start, stop, kind))
+            key = _key(name, meta.location, meta.reduce, meta.site, meta.batch_ndim)
+            plan.append((key, meta, start, stop, kind))
         start = stop
     return plan
 

@@ -130,7 +130,7 @@ def feed(
     """The flat values a rewritten jaxpr takes in, for `plant`'s `values`: per planted
     occurrence, its choice (a constant) and its replacement. `outs` (the marks `pull` finds)
     name the marks there are, for an unknown key's error."""
-    keys = keys_of(ins)
+    keys = keys_of(ins, outs)  # (a cotangent after its value, as `pull` keys it)
     known = dict(zip(keys, ins, strict=True))
     names = {meta.planted_as for meta in ins}
     for key in values:
