@@ -3,6 +3,8 @@
 gradient with respect to a perturbation added there (zero), and an edited cotangent is what a
 `custom_vjp` identity that edits it gives."""
 
+import functools
+
 import diffrax
 import equinox as eqx
 import flax.linen as nn
@@ -293,6 +295,129 @@ def test_plant_a_tied_layer_applied_twice():
     assert_tree_allclose((inters["pre_0.grad"], inters["pre_1.grad"]), want)
     got = stx.plant(step)({"pre_0.grad": lambda g: 3.0 * g}, w, x)
     assert_tree_allclose(got, by_hand(3.0))
+
+
+# A loop or a branch inside a `vmap` inside the differentiated function (a batch loss of a
+# per-example recurrent model): issue 39, item 2. The reference threads a perturbation, one
+# per example and iteration, through the same program by hand.
+
+
+def _per_example(kind, w, x, d):
+    """`x` one example (3 steps); `d` the perturbation at the mark, laid out as pull lays out
+    the value (iterations first, here per example)."""
+    if kind == "scan":
+
+        def body(h, xd):
+            return jnp.tanh(w * h + xd[0]) + xd[1], None
+
+        return jax.lax.scan(body, 0.0, (x, d))[0] ** 2
+    if kind == "fori":
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(w * h + x[i]) + d[i], 0.0) ** 2
+    if kind == "map":  # (batch_size=3: one batch of 3, laid out (1, 3))
+        rows = (x, d.reshape(3))
+        return jnp.sum(jax.lax.map(lambda a: jnp.sin(w * a[0]) + a[1], rows, batch_size=3))
+    return jax.lax.cond(jnp.sum(x) > 1.5, lambda: jnp.sum(jnp.sin(w * x) + d), lambda: 0.0)
+
+
+def _marked(kind, w, x):
+    mark = lambda v: stx.save_inter(v, name="h")  # noqa: E731
+    if kind == "scan":
+        return jax.lax.scan(lambda h, xt: (mark(jnp.tanh(w * h + xt)), None), 0.0, x)[0] ** 2
+    if kind == "fori":
+        return jax.lax.fori_loop(0, 3, lambda i, h: mark(jnp.tanh(w * h + x[i])), 0.0) ** 2
+    if kind == "map":
+        return jnp.sum(jax.lax.map(lambda a: mark(jnp.sin(w * a)), x, batch_size=3))
+    return jax.lax.cond(jnp.sum(x) > 1.5, lambda: jnp.sum(mark(jnp.sin(w * x))), lambda: 0.0)
+
+
+XS = jnp.array([[0.1, 0.2, 0.3], [0.6, 0.7, 0.8]])  # (the second example takes the branch)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("kind", ["scan", "fori", "map", "cond"])
+def test_a_loop_or_branch_under_vmap_inside_grad_gives_its_cotangent(kind, jit):
+    def loss(w, xs):
+        return jnp.mean(jax.vmap(lambda x: _marked(kind, w, x))(xs))
+
+    step = jax.grad(loss)
+    _, inters = stx.pull(jax.jit(step) if jit else step, cotangents=True)(0.5, XS)
+    assert sorted(inters) == ["h_0", "h_0.grad"]
+    per_site = (2, 1, 3) if kind == "map" else XS.shape  # (examples, steps or elements)
+
+    def perturbed(d):
+        return jnp.mean(jax.vmap(lambda x, dd: _per_example(kind, 0.5, x, dd))(XS, d))
+
+    want = jax.grad(perturbed)(jnp.zeros(per_site))
+    assert_tree_allclose(inters["h_0.grad"], want)
+    assert inters["h_0.grad"].shape == inters["h_0"].shape == per_site
+    # planted: the cotangent cut, and doubled, as a custom_vjp identity there would
+    assert_tree_allclose(
+        stx.plant(step)({"h_0.grad": jnp.zeros(per_site)}, 0.5, XS), jnp.float32(0.0)
+    )
+    doubled = stx.plant(step)({"h_0.grad": lambda g: 2.0 * g}, 0.5, XS)
+
+    @jax.custom_vjp
+    def twice(v):
+        return v
+
+    twice.defvjp(lambda v: (v, None), lambda _, g: (2.0 * g,))
+
+    def by_hand(w):
+        def marked(x):
+            if kind == "scan":
+                body = lambda h, xt: (twice(jnp.tanh(w * h + xt)), None)  # noqa: E731
+                return jax.lax.scan(body, 0.0, x)[0] ** 2
+            if kind == "fori":
+                step = lambda i, h: twice(jnp.tanh(w * h + x[i]))  # noqa: E731
+                return jax.lax.fori_loop(0, 3, step, 0.0) ** 2
+            if kind == "map":
+                return jnp.sum(jax.lax.map(lambda a: twice(jnp.sin(w * a)), x, batch_size=3))
+            true = lambda: jnp.sum(twice(jnp.sin(w * x)))  # noqa: E731
+            return jax.lax.cond(jnp.sum(x) > 1.5, true, lambda: 0.0)
+
+        return jnp.mean(jax.vmap(marked)(XS))
+
+    assert_tree_allclose(doubled, jax.grad(by_hand)(0.5))
+
+
+def test_first_nonfinite_inside_a_vmapped_scan_inside_the_grad():
+    def per_example(w, x):
+        def body(h, xt):
+            z = stx.save_inter(w * h + xt, name="z")
+            return jnp.sqrt(z), None
+
+        return jax.lax.scan(body, 1.0, x)[0]
+
+    def loss(w, xs):
+        return jnp.mean(jax.vmap(lambda x: per_example(w, x))(xs))
+
+    xs = jnp.array([[0.0, 0.0, 0.0], [0.0, -1.0, 1.0]])  # example 1: z is 0 at step 1 only
+    _, found = stx.first_nonfinite(jax.grad(loss))(1.0, xs)
+    assert found is not None and found.key == "z_0.grad" and found.index == (1, 1)
+    assert float(found.value) == 0.0
+
+
+def _in_scope(x):
+    with jax.named_scope("blk"):
+        y = jnp.sin(x)
+    return jnp.sum(y)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: stx.pull(jax.grad(_in_scope), at=stx.scopes("blk"), cotangents=True),
+        lambda: stx.pull(jax.jit(jax.grad(_in_scope)), at=stx.scopes("blk"), cotangents=True),
+        lambda: stx.pull(_in_scope, at=stx.scopes("blk"), cotangents=True),  # (no grad inside)
+        lambda: functools.partial(
+            stx.plant(jax.grad(_in_scope), at=stx.scopes("blk")), {"blk_0.grad": jnp.zeros(3)}
+        ),
+    ],
+)
+def test_a_named_scope_with_cotangents_says_why_it_has_none(make):
+    """One rule wherever the scope is, whether or not the function differentiates (item 6)."""
+    with pytest.raises(stx.SelectionError, match=r"scope 'blk'.*no cotangent can be read"):
+        make()(jnp.ones(3))
 
 
 # ---- localise ------------------------------------------------------------------------------

@@ -299,3 +299,95 @@ def test_bert_layers_keep_their_structure_under_remat(checkpointed):
     assert_tree_allclose(
         grads, jax.grad(lambda p: loss(p, IDS)[0])(model.params), rtol=1e-4, atol=1e-5
     )
+
+
+# ---- Flax NNX models that hold plain callables (the NNX tutorials' CNN, a Sequential) ----------
+
+
+def nnx_cnn():
+    """The NNX MNIST tutorial's CNN: its pool is a `functools.partial` it calls twice."""
+    import functools
+
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, *, rngs):
+            self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+            self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
+            self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+            self.linear1 = nnx.Linear(8 * 2 * 2, 16, rngs=rngs)
+            self.linear2 = nnx.Linear(16, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.avg_pool(nnx.relu(self.conv1(x)))
+            x = self.avg_pool(nnx.relu(self.conv2(x)))
+            x = x.reshape(x.shape[0], -1)
+            return self.linear2(nnx.relu(self.linear1(x)))
+
+    return CNN(rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nnx_a_partial_the_model_holds_is_selected_per_call(jit):
+    from flax import nnx
+
+    model = nnx_cnn()
+    x = jnp.linspace(-1.0, 1.0, 2 * 8 * 8).reshape(2, 8, 8, 1)
+    run = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+    out, inters = stx.pull(run, at=stx.modules("avg_pool", inputs=True))(model, x)
+    pooled0 = model.avg_pool(nnx.relu(model.conv1(x)))  # run by hand
+    pooled1 = model.avg_pool(nnx.relu(model.conv2(pooled0)))
+    assert list(inters) == ["avg_pool.in_0", "avg_pool_0", "avg_pool.in_1", "avg_pool_1"]
+    assert_tree_allclose(inters["avg_pool_0"], pooled0)
+    assert_tree_allclose(inters["avg_pool_1"], pooled1)
+    assert_tree_allclose(inters["avg_pool.in_0"], nnx.relu(model.conv1(x)))
+    assert_tree_allclose(out, model(x))
+    assert type(model.avg_pool).__name__ == "partial"  # (put back)
+    assert stx.plant(run, at=stx.modules("avg_pool"))({"avg_pool_1": pooled1 * 0}, model, x).shape
+
+
+@pytest.mark.parametrize("paths", [("layers[0]", "layers[1]"), ("layers[1]",), ("layers[*]",)])
+def test_nnx_a_function_between_layers_of_a_sequential(paths):
+    from flax import nnx
+
+    seq = nnx.Sequential(
+        nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    )
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    _, inters = stx.pull(seq, at=stx.modules(*paths))(x)
+    h0 = seq.layers[0](x)  # run by hand
+    by_hand = {"layers[0]_0": h0, "layers[1]_0": nnx.gelu(h0), "layers[2]_0": seq(x)}
+    want = {k: v for k, v in by_hand.items() if any(p in ("layers[*]", k[:-2]) for p in paths)}
+    assert list(inters) == list(want)
+    assert_tree_allclose(dict(inters), want)
+    assert seq.layers[1] is nnx.gelu  # (put back)
+
+
+def test_an_equinox_activation_function_in_a_training_step():
+    """`eqx.nn.MLP`'s `activation` (a function, also held as `None` in the optimizer's moments):
+    one key per call, with its cotangent; the model the step returns holds the function."""
+    import equinox as eqx
+    import optax
+
+    mlp = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    opt = optax.adam(1e-2)
+    state = opt.init(eqx.filter(mlp, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(m, s, x):
+        g = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)
+        u, s = opt.update(g, s, m)
+        return eqx.apply_updates(m, u), s
+
+    (new, _), inters = stx.pull(step, at=stx.modules("activation"), cotangents=True)(mlp, state, x)
+    assert sorted(inters) == [
+        "activation_0",
+        "activation_0.grad",
+        "activation_1",
+        "activation_1.grad",
+    ]
+    h = jax.nn.relu(mlp.layers[0](x))  # run by hand
+    assert_tree_allclose(inters["activation_0"], h)
+    assert_tree_allclose(inters["activation_1"], jax.nn.relu(mlp.layers[1](h)))
+    assert new.activation is mlp.activation

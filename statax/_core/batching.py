@@ -20,16 +20,19 @@ from jax._src import core  # isort: skip
 from jax._src.interpreters import batching  # isort: skip
 
 
+import contextvars
 import dataclasses
 
 from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 from .._jax.jaxprs import trace
 from . import context as _context
+from . import cotangents as _cotangents
+from .context import within
 from .marks import find_saves
 from .registry import Exposer, on_unregister
 
-__all__ = ["batch_traced"]
+__all__ = ["batch_traced", "loops_batched", "register_stacking"]
 
 
 def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:
@@ -48,6 +51,27 @@ def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -
 # exposer (`register_exposer`) and guards (`register_batching_guard`) share one rule, installed
 # once and JAX's own given back when neither is left.
 _BATCHING: dict[jex.Primitive, _Batching] = {}
+
+
+# The loops that stack what their bodies mark (`register_stacking`), and how many of them are
+# being batched now, one inside another (`loops_batched`).
+_STACKING: set = set()
+_LOOPS_BATCHED: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "statax_loops_batched", default=0
+)
+
+
+def register_stacking(primitive: jex.Primitive) -> None:
+    """Declare `primitive` a loop that stacks its body's marks, one row per iteration (as
+    `scan`): `loops_batched` counts it while JAX batches it."""
+    _STACKING.add(primitive)
+    _batching(primitive)
+
+
+def loops_batched() -> int:
+    """How many stacking loops `vmap` is batching now, one inside another: in a batching rule,
+    how many loops inside the `vmap` enclose the equation batched."""
+    return _LOOPS_BATCHED.get()
 
 
 def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
@@ -73,8 +97,12 @@ def _batching(primitive: jex.Primitive) -> _Batching:
                 guard(axis_data, dims, params)
             exposer = entry.exposer
             if exposer is None or not _params_hold_marks(params):
-                return entry.original(axis_data, args, dims, **params)
-            return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
+                if primitive not in _STACKING:
+                    return entry.original(axis_data, args, dims, **params)
+                with within(_LOOPS_BATCHED, _LOOPS_BATCHED.get() + 1):
+                    return entry.original(axis_data, args, dims, **params)
+            with _cotangents.kept():  # (their marks' cotangents are read where used)
+                return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
 
         _tracing.set_batching_rule(primitive, rule)
     return entry

@@ -16,6 +16,7 @@ tap, there is no tap: a mark's JVP passes its tangents on untouched, as it alway
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from .meta import StateMeta
 
 __all__ = [
     "cotangent_tap_p",
+    "keeping",
+    "kept",
     "number",
     "on_transpose",
     "tap",
@@ -52,8 +55,32 @@ def on_transpose(mark: Callable[[StateMeta, list], list]) -> None:
 
 def taps(meta: StateMeta, status: str, collecting: str) -> bool:
     """Whether a mark's JVP taps its tangents: inside a `pull(fn, cotangents=True)`, for a mark
-    that is collected (not inert, not idle), occurrence by occurrence (not `reduce=`)."""
-    return _context.COTANGENTS.value and status == collecting and meta.reduce is None
+    that is collected (not inert, not idle), occurrence by occurrence (not `reduce=`), and not
+    tapped where its value is used already (`meta.tap`: see `kept`)."""
+    return (
+        _context.COTANGENTS.value
+        and status == collecting
+        and meta.reduce is None
+        and meta.tap is None
+    )
+
+
+# Whether the walk keeps a tap where it takes a mark out (`kept`).
+_KEEP: contextvars.ContextVar[bool] = contextvars.ContextVar("statax_keep_taps", default=False)
+
+
+def kept():
+    """Within, in a `pull(fn, cotangents=True)`, the walk that takes a mark out of a jaxpr
+    leaves a tap in its place (`save_inter` with status `"tapping"`, numbered as the value it
+    exposes): for the exposers that take marks out of a loop or a branch under `vmap`, before
+    anything differentiates them. The value leaves the loop, but the cotangent flows back
+    where the value is used, inside it, and is read there."""
+    return _context.within(_KEEP, bool(_context.COTANGENTS.value))
+
+
+def keeping() -> bool:
+    """Whether the walk leaves taps where it takes marks out (see `kept`)."""
+    return _KEEP.get()
 
 
 def tapped(meta: StateMeta, tangents: list) -> tuple[StateMeta, list]:

@@ -15,6 +15,7 @@ from jax.extend import core as jex
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
+from . import cotangents as _cotangents
 from . import equinox as _equinox
 from . import python_rules as _python_rules
 from . import staging as _staging
@@ -83,7 +84,7 @@ def _cached(store: weakref.WeakKeyDictionary, key, compute):
     per_rewrite = store.get(key)
     if per_rewrite is None:
         per_rewrite = store[key] = {}
-    selection = _context.SELECTION.value
+    selection = (_context.SELECTION.value, _cotangents.keeping())
     if selection not in per_rewrite:
         per_rewrite[selection] = compute()
     return per_rewrite[selection]
@@ -126,7 +127,7 @@ def _saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[tuple[StateMeta, ...], list
 
 def _known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
     """Record `_marks(jaxpr)`, worked out otherwise (for the current selection)."""
-    _SAVES.setdefault(jaxpr, {})[_context.SELECTION.value] = marks
+    _SAVES.setdefault(jaxpr, {})[_context.SELECTION.value, _cotangents.keeping()] = marks
 
 
 def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:

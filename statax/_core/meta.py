@@ -114,10 +114,11 @@ class StateMeta:
             numbers (keyed `f"{key}.grad"`), not its value.
         site: for a cotangent, the shapes of one occurrence's arrays at its mark (without the
             axes a `vmap` or a loop puts in front), so that its index is known.
-        outer_batch: for a cotangent tapped in a loop that a `vmap` outside it batches (whose
-            value an exposer took out of the loop, batch axes first), how many of its batch
-            axes come from outside: a loop that stacks it keeps them in front, as its value has
-            them.
+        moves: for a cotangent read in loops that a `vmap` outside them batches (their marks'
+            values taken out of the loops before it, so that the value has its batch axes
+            first), per leading batch axis: how many of the loops still to stack it are inside
+            that `vmap`. A loop that stacks it puts the axes with loops left in front of its
+            own, so that the cotangent is laid out as its value is.
     """
 
     name: str
@@ -131,7 +132,7 @@ class StateMeta:
     tap: int | None = None
     grad: bool = False
     site: tuple = ()
-    outer_batch: int = 0
+    moves: tuple = ()
 
     @property
     def planted_as(self) -> str:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from .._jax import tracing as _tracing
+from . import batching as _batching
 from . import context as _context
 from . import cotangents as _cotangents
 from . import fastpaths as _fastpaths
@@ -49,6 +50,7 @@ __all__ = [
     "IDLE",
     "INERT",
     "INPUT",
+    "TAPPING",
     "UNPULLED",
     "batch_first",
     "collected",
@@ -62,6 +64,7 @@ IDLE = "idle"  # bound outside a `pull`: no effect, costs nothing; collected by 
 UNPULLED = "unpulled"  # as IDLE, on the plain path (fast paths off): an identity with outputs
 INERT = "inert"  # never collected (not selected by `only=`; replayed by remat; a rule's copy)
 INPUT = "input"  # a value fed in from outside (`_exposers.take`): never collected
+TAPPING = "tapping"  # left where a mark was taken out (`_cotangents.kept`): taps, never collected
 
 T = TypeVar("T")
 
@@ -366,6 +369,8 @@ def _jvp(primals, tangents, *, meta, status):
     # Save the primal only; the tangents pass through untouched (or, in a
     # `pull(fn, cotangents=True)`, through a tap that marks their cotangent).
     tangents = list(tangents)
+    if status == TAPPING:  # (the value is collected elsewhere, under the same number)
+        return list(primals), _cotangents.tap(meta, meta.tap, tangents)
     if _cotangents.taps(meta, status, COLLECTING):
         meta, tangents = _cotangents.tapped(meta, tangents)
     return _outputs(_bind(list(primals), meta, status), status), _outputs(tangents, status)
@@ -376,6 +381,13 @@ _jax_rules.register_jvp_rule(save_inter_p, _jvp)
 
 def _linearize(nonzeros, *primals, meta, status):
     # As the JVP, without JAX's generic linearization (a trace of the JVP per mark).
+    if status == TAPPING:
+        tapped = all(nonzeros)
+        return (
+            list(primals),
+            list(nonzeros),
+            lambda *t: _cotangents.tap(meta, meta.tap, list(t)) if tapped else list(t),
+        )
     if _cotangents.taps(meta, status, COLLECTING) and all(nonzeros):
         number = _cotangents.number()
         outs = _bind(list(primals), dataclasses.replace(meta, tap=number), status)
@@ -418,6 +430,16 @@ def _batch(axis_size, vals, dims, **params):
     # it comes in with the batch axis at 0 (a cotangent's, only where its mark's is batched).
     # An unpulled mark on the plain path is an identity: the values handed on are its outputs.
     meta, status = params["meta"], params["status"]
+    if status == TAPPING:  # (batched outside the loop its mark was taken out of)
+        if all(d is None for d in dims):
+            return _bind(list(vals), meta, status), list(dims)
+        # (Its cotangent is stacked by the loops `vmap` is batching now, inside the `vmap`, which
+        # then move its batch axis in front of theirs: see `StateMeta.moves`.)
+        moves = meta.moves or (0,) * meta.batch_ndim
+        batched = dataclasses.replace(
+            meta, batch_ndim=meta.batch_ndim + 1, moves=(_batching.loops_batched(), *moves)
+        )
+        return _bind(batch_first(axis_size, vals, dims), batched, status), [0] * len(vals)
     fed = status == INPUT
     if (not fed or meta.grad) and all(d is None for d in dims):
         outs = _bind(list(vals), meta, status)

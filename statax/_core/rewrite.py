@@ -13,6 +13,7 @@ input), a hook on the one walk (`_core.evaluator.rewrite`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from jax.extend import source_info_util as source_info_api
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
+from . import cotangents as _cotangents
 from . import reduce as _reduce
 from . import staging as _staging
 from .errors import HandlerError, UnhandledPrimitiveError
@@ -31,7 +33,7 @@ from .evaluator import keep
 from .evaluator import rewrite as rewrite_jaxpr
 from .marks import _cached, _known_marks, _marks, _saves_in, _selected, find_saves
 from .meta import StateMeta
-from .primitive import COLLECTING, INPUT, collected, save_inter_p
+from .primitive import COLLECTING, INPUT, TAPPING, collected, save_inter_p
 from .registry import Rewrite, Rewritten, _rules_for, on_forget
 
 __all__ = [
@@ -228,12 +230,18 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
         inner = next(marks)
         if eqn.primitive is save_inter_p:  # removed: its outputs are its operands
             meta = eqn.params["meta"]
+            if eqn.params["status"] == TAPPING:  # (a tap left by an exposer: it stays)
+                return keep(eqn, invars, emit)
             if eqn.params["status"] == INPUT:
                 invars = [jex.Var(x.aval) for x in eqn.outvars]
                 extra_in.extend(invars)
                 ins.append(meta)
             elif collected(eqn.params) and _selected(meta):
                 extra_out.extend(invars)
+                if _cotangents.keeping() and meta.reduce is None and meta.tap is None:
+                    meta = dataclasses.replace(meta, tap=_cotangents.number())
+                    outs.append(meta)
+                    return _tap_left(invars, meta, emit)
                 outs.append(meta)
             return invars if eqn.outvars else []  # (an idle mark has none)
         if not inner:
@@ -265,6 +273,15 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
         debug_info=_jaxprs.extend_debug_info(jaxpr.debug_info, names, arg_names=in_names),
     )
     return Rewritten(new, tuple(outs), tuple(ins))
+
+
+def _tap_left(invars, meta: StateMeta, emit) -> list:
+    """Where a mark is taken out (`_cotangents.kept`): a tap in its place, read downstream, that
+    marks the cotangent of the value it exposes (`meta`, numbered)."""
+    outvars = [jex.Var(x.aval) for x in invars]
+    params = {"meta": meta, "status": TAPPING}
+    emit(_jaxprs.new_equation(invars, outvars, save_inter_p, params, frozenset()))
+    return outvars
 
 
 def _without_save_effect(effects):

@@ -44,8 +44,10 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
     model found there (`model_roots`), for selections without `of=`, and those of a copy of an
     `of=` model that a transformation (`jax.jit`, `jax.grad`) rebuilt from its leaves, found
     there by its tree structure."""
-    targets: dict[int, tuple[Any, str, Modules]] = {}
+    targets: dict[Any, tuple[Any, str, Modules]] = {}
+    places: dict[str, tuple[Any, Any]] = {}  # name -> (parent, key): where a callable is held
     swapped = []
+    replaced: list[tuple[Any, Any, Any]] = []  # (parent, key, callable) put back after
     with contextlib.ExitStack() as stack:
         if call is None:  # (the outermost pass: the `of=` models' structures, as given)
             given = _OF_STRUCTURES.get()
@@ -71,10 +73,27 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                     if not roots:
                         continue
                 for path in selection.paths:
-                    for name, obj in _resolve_in(roots, path):
-                        targets.setdefault(id(obj), (obj, name, selection))
+                    for name, obj, place in _resolve_in(roots, path):
+                        if _by_class(obj, place):
+                            targets.setdefault(id(obj), (obj, name, selection))
+                        else:  # (a function: marked where it is held, one per place)
+                            targets.setdefault(name, (obj, name, selection))
+                            places[name] = place
             shadows = _shadows(at, call, targets) if call is not None else []
-            for obj, name, selection in [*targets.values(), *shadows]:
+            chosen = [(o, n, s, places.get(n)) for o, n, s in targets.values()]
+            for obj, name, selection, place in [*chosen, *shadows]:
+                if not _by_class(obj, place):
+                    if place is None or place[0] is None:
+                        raise SelectionError(
+                            f"{_describe((selection,))} selects {name!r}, a "
+                            f"{type(obj).__name__} that is the model itself or was given by a "
+                            "function: a callable that is not an object of a class of its own "
+                            "is marked where it is held. Select it by its path in the model."
+                        )
+                    marked = _marking_call(obj, name, selection.inputs, selection.reduce)
+                    _put(*place, marked)
+                    replaced.append((*place, obj))
+                    continue
                 cls = type(obj)
                 if getattr(cls, "_statax_marks", None) is None:
                     marking = _marking(cls, name, selection.inputs, selection.reduce)
@@ -84,12 +103,14 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                     if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai)
                         _register_as(marking, cls)
             if shadows:
-                ids = _SHADOWS.get() | {id(o) for o, _, _ in shadows}
+                ids = _SHADOWS.get() | {id(o) for o, _, _, _ in shadows}
                 stack.enter_context(within(_SHADOWS, ids))
             yield [name for _, name, _ in targets.values()]
         finally:
             for obj, cls in swapped:
                 object.__setattr__(obj, "__class__", cls)
+            for parent, key, obj in reversed(replaced):
+                _put(parent, key, obj)
 
 
 # The ids of the objects swapped for marking classes only so that trees made from the model (an
@@ -101,7 +122,8 @@ _SHADOWS: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
 
 
 def _shadows(at, call, targets: dict) -> list:
-    """`(object, name, selection)` of the objects at the selected paths in the other copies of
+    """`(object, name, selection, place)` of the objects at the selected paths in the other
+    copies of
     the model among the arguments (of its class, not it): an optimizer's moments, a model's
     gradients passed in. Swapped with the selected objects, they keep the trees made from the
     model (by `jax.grad` inside the function) and them of one structure."""
@@ -125,12 +147,16 @@ def _shadows(at, call, targets: dict) -> list:
                     resolved = _resolve(copy, path)
                 except (SelectionError, AttributeError, IndexError, KeyError, TypeError):
                     continue
-                for name, obj in resolved:
-                    if id(obj) not in targets and any(
+                for name, obj, place in resolved:
+                    if not _by_class(obj, place):  # (a function held in a copy: the same)
+                        if name in targets and targets[name][0] is obj and place[0] is not None:
+                            found.append((obj, name, selection, place))
+                    elif id(obj) not in targets and any(
                         n == name and type(o) is type(obj) for o, n, _ in targets.values()
                     ):
-                        found.append((obj, name, selection))
-    return list({id(o): (o, n, s) for o, n, s in found}.values())
+                        found.append((obj, name, selection, None))
+    kept = {(id(o), id(p[0]) if p else None): (o, n, s, p) for o, n, s, p in found}
+    return list(kept.values())
 
 
 def _roots_quietly(fn, tree, args, kwargs) -> list:
@@ -147,6 +173,8 @@ def unmarked(tree):
         return tree
 
     def plain(x):
+        if isinstance(x, types.FunctionType) and _is_marking(x):  # (a function held)
+            return x.__wrapped__
         if not _is_marking(x) or not hasattr(x, "__dict__"):
             return x
         copy = object.__new__(type(x).__mro__[1])
@@ -159,6 +187,9 @@ def unmarked(tree):
 
 
 def _is_marking(x) -> bool:
+    """Whether `x` marks its calls: of a marking class, or a function a model holds, wrapped."""
+    if isinstance(x, types.FunctionType):
+        return getattr(x, "_statax_marks", None) is not None
     return getattr(type(x), "_statax_marks", None) is not None
 
 
@@ -343,16 +374,17 @@ def _resolve_in(roots: list, path) -> list[tuple[str, Any]]:
 _TOKEN = re.compile(r"\[([^\]]*)\]|([^.\[\]/]+)")
 
 
-def _resolve(root, path) -> list[tuple[str, Any]]:
-    """`[(name, object)]` that `path` selects in `root`."""
+def _resolve(root, path) -> list[tuple[str, Any, tuple]]:
+    """`[(name, object, (parent, key))]` that `path` selects in `root`: where the object is
+    held (`(None, None)` for the root, or for an object a function of the model gave)."""
     if callable(path) and not isinstance(path, str):
         found = path(root)
         objs = found if isinstance(found, (list, tuple)) else [found]
-        return [(_path_of(root, obj), obj) for obj in objs]
-    found = [("", root)]
+        return [(_path_of(root, obj), obj, (None, None)) for obj in objs]
+    found = [("", root, (None, None))]
     for match in _TOKEN.finditer(path):
         step = match[1] if match[1] is not None else match[2]
-        found = [item for name, obj in found for item in _step(name, obj, step, path)]
+        found = [item for name, obj, _ in found for item in _step(name, obj, step, path)]
     return found
 
 
@@ -368,10 +400,10 @@ def _children(obj) -> list[tuple[str, Any]]:
     return [(f".{k}", v) for k, v in fields.items() if not k.startswith("_")]
 
 
-def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any]]:
+def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any, tuple]]:
     children = _children(obj)
     if step == "*":
-        items = [(_join(name, c), v) for c, v in children if not c.startswith(".")]
+        items = [(_join(name, c), v, (obj, c)) for c, v in children if not c.startswith(".")]
         if items:
             return items
         raise SelectionError(
@@ -381,9 +413,9 @@ def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any]]:
         )
     for child, value in children:
         if child in (f".{step}", f"[{step}]", f"['{step}']"):
-            return [(_join(name, child), value)]
+            return [(_join(name, child), value, (obj, child))]
     if not isinstance(obj, (dict, list, tuple)) and hasattr(obj, step):  # a property, a field
-        return [(_join(name, f".{step}"), getattr(obj, step))]
+        return [(_join(name, f".{step}"), getattr(obj, step), (None, None))]
     options = [_join(name, c) for c, _ in children]
     raise SelectionError(
         f"stx.modules({path!r}): {type(obj).__name__} at {name or 'the model'!r} has no "
@@ -412,6 +444,61 @@ def _path_of(root, target) -> str:
     )
 
 
+def _by_class(obj, place) -> bool:
+    """Whether `obj` marks its calls by its class (swapped for a marking subclass): a model
+    (`_is_module`), or another callable object that is held nowhere a path can name. Other
+    callables a model holds (a function, a `functools.partial`, `jax.nn.relu`, whose class
+    cannot be subclassed or assigned, or is JAX's own) are marked where they are held
+    (`_marking_call`), one key per call."""
+    if _is_module(obj):
+        return True
+    if place is not None and place[0] is not None:
+        return False
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return False
+    if type(obj).__flags__ & (1 << 10) == 0:  # (not Py_TPFLAGS_BASETYPE: no subclass of it)
+        return False
+    return not isinstance(obj, functools.partial)  # (its `__class__` cannot be assigned)
+
+
+def _put(parent, key: str, value) -> None:
+    """Hold `value` where `parent` holds a child at `key` (`".name"`, `"[0]"`, `"['k']"`, as
+    `_children` names them), bypassing a module's own `__setattr__`."""
+    if key.startswith("."):
+        object.__setattr__(parent, key[1:], value)
+    else:
+        inner = key[1:-1]
+        parent[int(inner) if inner.lstrip("-").isdigit() else inner.strip("'")] = value
+
+
+def _marked_call(call, name: str, inputs: bool, reduce, args, kwargs):
+    """`call(*args, **kwargs)` with its output (and, with `inputs`, its inputs) marked."""
+    if inputs and kwargs:  # (the inputs are marked as the call has them)
+        args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
+    elif inputs and len(args) == 1:
+        args = (save_inter(args[0], name=f"{name}.in", reduce=reduce),)
+    elif inputs:
+        args = save_inter(args, name=f"{name}.in", reduce=reduce)
+    return save_inter(call(*args, **kwargs), name=name, reduce=reduce)
+
+
+@functools.lru_cache(maxsize=1024)
+def _marking_call(fn: Callable, name: str, inputs: bool, reduce: str | None) -> Callable:
+    """`fn` (a function, a `functools.partial`: a callable a model holds that is no object of
+    a class of its own) as a callable that marks its calls as `name`. (One per callable and
+    name, so that a model that holds it keeps one tree structure.)"""
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        called = _CALLED.get()
+        if called is not None:
+            called[name] = None
+        return _marked_call(fn, name, inputs, reduce, args, kwargs)
+
+    marked._statax_marks = name
+    return marked
+
+
 @functools.cache
 def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
     """`cls` with a `__call__` that marks its output (and, with `inputs`, its inputs) as
@@ -425,13 +512,8 @@ def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
         called = _CALLED.get()
         if called is not None:
             called[name] = None
-        if inputs and kwargs:  # (the inputs are marked as the call has them)
-            args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
-        elif inputs and len(args) == 1:
-            args = (save_inter(args[0], name=f"{name}.in", reduce=reduce),)
-        elif inputs:
-            args = save_inter(args, name=f"{name}.in", reduce=reduce)
-        return save_inter(original(self, *args, **kwargs), name=name, reduce=reduce)
+        call = functools.partial(original, self)
+        return _marked_call(call, name, inputs, reduce, args, kwargs)
 
     namespace = {"__call__": __call__, "__module__": cls.__module__, "_statax_marks": name}
     sub = type(cls)(cls.__name__, (cls,), namespace)

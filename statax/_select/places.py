@@ -126,6 +126,8 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
             leaving = [v for v in made if last_use.get(v, -1) > end or v in returned]
             if not leaving:
                 continue
+            if isinstance(selection, Scopes) and _context.COTANGENTS.value:
+                _refuse_cotangents(selection, name, eqns[end])
             if transformed:
                 _refuse_transformed(selection, eqns[end], _stack_of(stack, eqns[end]))
                 # (a line's region: the transformation may be inside it, or around it)
@@ -194,6 +196,18 @@ def _matches_in(jaxpr, stack: tuple, chosen: tuple) -> bool:
         else _region(selection, outer, eqn) is not None
         for outer, eqn in _walk(jaxpr, stack)
         for selection in chosen
+    )
+
+
+def _refuse_cotangents(selection, name: str, eqn) -> None:
+    raise SelectionError(
+        f"{selection} with cotangents (pull's cotangents=True, or a '.grad' planted): the "
+        f"scope {name!r} (at "
+        f"{_location(eqn)}) is a region of the program, found once the function and its "
+        "derivative are traced: no mark is there while the derivative is made, so no cotangent "
+        "can be read at a scope. Mark the value with stx.save_inter, or select the module that "
+        "computes it (stx.modules; the scopes of Flax Linen and Keras modules are marked as "
+        "they run, and give cotangents)."
     )
 
 

@@ -13,6 +13,7 @@ above them. `statax.extend.equinox` holds what statax knows of equinox's private
 """
 
 from .._core.batching import register_batching_guard as register_batching_guard
+from .._core.batching import register_stacking as register_stacking
 from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
@@ -119,6 +120,7 @@ __all__ = [
     "register_flags",
     "register_handler",
     "register_rebinding",
+    "register_stacking",
     "register_trips",
     "restage_equation",
     "save_inter_p",

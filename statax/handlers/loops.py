@@ -55,6 +55,7 @@ from statax.extend import (
     refuse_batched_state,
     register_exposer,
     register_handler,
+    register_stacking,
     register_trips,
     restage_equation,
     split_leaves,
@@ -74,10 +75,7 @@ def _scan_exposer(*args, **eqn_params):
         mark(leaves, metas)
         return outs
     # Planted values: one per iteration, as extra xs.
-    planted = take(
-        _stacked(ins),
-        [a.update(shape=(parts.length, *a.shape)) for a in body.in_avals[len(args) :]],
-    )
+    planted = _planted_stacked(ins, body.in_avals[len(args) :], parts.length)
     if not any(reductions.running(m) for m in metas):
         new_params = params.scan_params(eqn_params, parts._replace(jaxpr=body))
         flat = scan_p.bind(*args, *planted, **new_params)
@@ -128,11 +126,45 @@ def _scan_exposer(*args, **eqn_params):
 def _stacked(metas):
     """The metas of a scan body's intermediates (or planted values) as they leave it stacked
     along the scan's leading axis, ahead of the axes a `vmap` inside the body gave them: those
-    axes are no longer leading (`batch_ndim` 0). Reduced names keep their own layout."""
-    return tuple(
-        dataclasses.replace(m, batch_ndim=0) if m.batch_ndim and m.reduce is None else m
-        for m in metas
-    )
+    axes are no longer leading (`batch_ndim` 0). Reduced names keep their own layout. A
+    cotangent's batch axes with loops left to move past (`StateMeta.moves`) stay in front, as
+    its value's do (see `_moved`)."""
+    out = []
+    for m in metas:
+        if m.batch_ndim and m.reduce is None:
+            k = _moving(m)
+            m = dataclasses.replace(m, batch_ndim=k, moves=tuple(x - 1 for x in m.moves[:k]))
+        out.append(m)
+    return tuple(out)
+
+
+def _moving(meta) -> int:
+    """How many leading batch axes of `meta`'s value a loop that stacks it moves in front of
+    its own axis (those with loops left in their `vmap`: a prefix, the outer `vmap` first)."""
+    k = 0
+    while k < len(meta.moves) and meta.moves[k] > 0:
+        k += 1
+    return k
+
+
+def _planted_stacked(ins, avals, length: int) -> list:
+    """The values planted in a scan's body (`ins`, one iteration's `avals`), taken in stacked,
+    one row per iteration. A planted cotangent's batch axes with loops left to move past are
+    given in front, as `pull` returns it; its choice (the first leaf of what a planted mark
+    takes in) is one per iteration."""
+    avals = split_leaves(avals, ins)
+    given = []
+    for meta, part in zip(ins, avals, strict=True):
+        k = _moving(meta)
+        for i, a in enumerate(part):
+            front = a.shape[:k] if i else ()
+            given.append(a.update(shape=(*front, length, *a.shape[len(front) :])))
+    taken = split_leaves(take(_stacked(ins), given), ins)
+    return [
+        jnp.moveaxis(x, _moving(meta), 0) if i else x
+        for meta, part in zip(ins, taken, strict=True)
+        for i, x in enumerate(part)
+    ]
 
 
 def _bounded_loop_scan(args, parts, body, metas, ins):
@@ -187,6 +219,8 @@ def _unstack_reduced(metas, stacked, flat=True):
         if meta.accumulator and meta.reduce is not None:
             b = meta.batch_ndim
             part = reductions.fold_axis(meta, [jnp.moveaxis(x, 0, b) for x in part], b)
+        elif _moving(meta):  # (a cotangent's batch axes with loops left to move past)
+            part = [jnp.moveaxis(x, 0, _moving(meta)) for x in part]
         out.append(list(part))
     return [x for part in out for x in part] if flat else out
 
@@ -198,13 +232,14 @@ _scan_traced = handler_from_exposer(_scan_exposer)
 
 
 def _scan_handler(eqn):
-    # The common case (no reduced names, nothing planted, not an equinox loop) without tracing
+    # The common case (no reduced names, nothing planted, no cotangent batched outside the loop,
+    # not an equinox loop) without tracing
     # the exposer: the equation itself, its body returning the intermediates as extra ys.
     parts = params.scan_parts(eqn.params)
     body = pull_jaxpr(parts.jaxpr)
     if (
         body.ins
-        or any(m.reduce is not None for m in body.outs)
+        or any(m.reduce is not None or _moving(m) for m in body.outs)
         or _is_bounded_step(
             parts.jaxpr, [x.aval for x in eqn.invars[parts.num_consts :][: parts.num_carry]]
         )
@@ -244,6 +279,7 @@ def _scan_state(eqn, invals, threading):
 
 register_handler(scan_p, _scan_handler, thread_state=_scan_state, **_LOOP)
 register_trips(scan_p.name, lambda eqn: eqn.params["length"])
+register_stacking(scan_p)
 
 
 def _while_exposer(*args, **eqn_params):
