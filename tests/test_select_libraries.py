@@ -391,3 +391,53 @@ def test_an_equinox_activation_function_in_a_training_step():
     assert_tree_allclose(inters["activation_0"], h)
     assert_tree_allclose(inters["activation_1"], jax.nn.relu(mlp.layers[1](h)))
     assert new.activation is mlp.activation
+
+
+# ---- Hugging Face Flax T5 through `model.encode` (a Linen `apply` with `method=`) --------------
+
+
+@pytest.fixture
+def _t5_clip(monkeypatch):
+    """transformers 4.x's Flax T5 calls `jnp.clip(x, a_max=...)`, which JAX no longer takes:
+    given back for the test, as the keywords it now has."""
+    clip = jnp.clip
+
+    def old_clip(x, min=None, max=None, *, a_min=None, a_max=None):  # noqa: A002
+        return clip(x, a_min if min is None else min, a_max if max is None else max)
+
+    monkeypatch.setattr(jnp, "clip", old_clip)
+
+
+@pytest.mark.usefixtures("_t5_clip")
+@pytest.mark.parametrize("jit", [False, True])
+def test_t5_encode_block_is_what_the_module_returned(jit):
+    cfg = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
+        num_decoder_layers=1,
+    )  # fmt: skip
+    model = transformers.FlaxT5Model(cfg, seed=0)
+    ids = jnp.arange(6)[None] % 50
+    mask = jnp.ones_like(ids)
+    encode = lambda p, i: model.encode(i, attention_mask=mask, params=p)  # noqa: E731
+    encode = jax.jit(encode) if jit else encode
+    out, inters = stx.pull(encode, at=stx.scopes("encoder/block/*"))(model.params, ids)
+    # Flax's own record of the same call (as `encode` applies the module)
+    _, state = model.module.apply(
+        {"params": model.params},
+        ids,
+        mask,
+        method=lambda m, i, a: m._get_encoder_module()(i, a),
+        capture_intermediates=True,
+        mutable=["intermediates"],
+    )
+    blocks = state["intermediates"]["encoder"]["block"]
+    assert list(inters) == ["encoder/block/0_0", "encoder/block/1_0"]
+    for i in range(2):
+        want = blocks[str(i)]["__call__"][0]
+        assert_tree_allclose(inters[f"encoder/block/{i}_0"], want)
+    # Through the model's __call__, the same block, under the root module's name.
+    _, inters = stx.pull(
+        lambda p, i: model(i, decoder_input_ids=i, params=p),
+        at=stx.scopes("FlaxT5Module/encoder/block/0"),
+    )(model.params, ids)
+    assert_tree_allclose(inters["FlaxT5Module/encoder/block/0_0"], blocks["0"]["__call__"][0])

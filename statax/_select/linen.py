@@ -24,13 +24,16 @@ def with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
     if linen is None or marked is None:
         return call(tree, *args, **kwargs)
 
-    roots: list[str] = []  # the module the outermost call is of: the scope path's first name
+    # The name of the module the outermost call is of, where it is the root: the scope path's
+    # first name. `apply(..., method=f)` with a function `f` that calls a submodule
+    # (`FlaxT5Model.encode`) calls no method of the root: no scope of its name then (None).
+    roots: list[str | None] = []
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         outermost = not roots
-        if outermost:
-            roots.append(module.name or type(module).__name__)  # (as Linen names its scope)
+        if outermost:  # (as Linen names its scope)
+            roots.append(None if module.path else module.name or type(module).__name__)
         try:
             out = next_fun(*args, **kwargs)
         finally:
@@ -46,11 +49,14 @@ def with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
 
 
 def _scope_names(root: str | None, module, method: str) -> list[str]:
-    """The parts of the scope path Linen runs `module.method` under: the outermost module's
-    name (`root`), the module's path, and `.method` for a method other than `__call__`. Made
+    """The parts of the scope path Linen runs `module.method` under: the root module's name
+    where its method was called (`root`), the module's path, and `.method` for a method other
+    than `__call__`. Made
     from the modules, not read from JAX's name stack, which a lifted transformation cuts short
     (`nn.remat`'s body is traced by `jax.checkpoint` under a name stack of its own)."""
-    names = [root or module.name or type(module).__name__, *module.path]
+    names = [root, *module.path] if root else list(module.path)
+    if not names:
+        names = [module.name or type(module).__name__]
     if method != "__call__":
         names[-1] += f".{method}"
     return names
