@@ -682,6 +682,35 @@ def test_linen_blocks_made_in_setup_and_under_remat_as_flax_captures_them(remat)
     assert_tree_allclose(grads, jax.grad(loss)(params, X))
 
 
+class HelperNet(nn.Module):
+    """Its `setup` calls a helper method that builds a submodule (issue 39, item 11)."""
+
+    def setup(self):
+        self.body = nn.Dense(4)
+        self.head = self._make_head()
+
+    def _make_head(self):
+        return nn.Dense(2)
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_helper_that_setup_calls_gives_no_key(jit):
+    model = HelperNet()
+    params = model.init(jax.random.PRNGKey(0), X)
+    _, state = model.apply(params, X, capture_intermediates=True, mutable=["intermediates"])
+    captured = state["intermediates"]
+    run = stx.pull(model.apply, at=stx.scopes("HelperNet*"))
+    _, got = (jax.jit(run) if jit else run)(params, X)
+    assert list(got) == ["HelperNet_0"]
+    assert_tree_allclose(got["HelperNet_0"], captured["__call__"][0])
+    _, got = stx.pull(model.apply, at=stx.scopes("HelperNet/*"))(params, X)
+    assert list(got) == ["HelperNet/body_0", "HelperNet/head_0"]
+    assert_tree_allclose(got["HelperNet/head_0"], captured["head"]["__call__"][0])
+
+
 # ---- Linen nn.scan (issue 34, item 1) ------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """`stx.sites`: the map of what selections can reach, on every kind of model the selections are
 tested on, its shapes and bytes checked against the arrays `pull` returns for each place."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +106,41 @@ def test_linen_scopes_and_nn_scan():
     dense = found.find("ScanNet/layers/dense", "scope")
     assert (dense.shape, dense.per_call) == ((3, 2, 4), 3)
     check_against_pull(net.apply, (params, X), found)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(4)(x))
+
+
+class _JitMethodNet(nn.Module):
+    """Its blocks run inside an `nn.jit` method, which Flax runs under a scope of its own."""
+
+    def setup(self):
+        self.block_0 = _Block()
+        self.block_1 = _Block()
+
+    def __call__(self, x):
+        return self._run(x)
+
+    @nn.jit
+    def _run(self, x):
+        return self.block_1(self.block_0(x))
+
+
+def test_linen_modules_inside_an_nn_jit_method_are_listed_as_pull_selects_them():
+    """Issue 39, item 10: by module path, not by the method's name stack."""
+    net = _JitMethodNet()
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    params = net.init(jax.random.key(0), x)
+    found = stx.sites(net.apply)(params, x)
+    places = [s.place for s in found.of("scope")]
+    assert {"_JitMethodNet/block_0", "_JitMethodNet/block_1"} <= set(places)
+    assert not any("._run/" in p for p in places), places
+    _, got = stx.pull(net.apply, at=stx.scopes("_JitMethodNet/block_*"))(params, x)
+    assert found.bytes(stx.scopes("_JitMethodNet/block_*")) == _arrays_bytes(got) == 64
+    check_against_pull(net.apply, (params, x), found, per_kind=6)
 
 
 def test_nnx_modules():

@@ -270,7 +270,9 @@ def _map(fn, args, kwargs) -> Sites:
     marks = _shapes(fn, args, kwargs)
     rows = _grouped("mark", marks, set(), per_call)
     taken = set(marks)
-    scopes = [p for p in there.scopes if p in per_call]  # (not those under a transformation)
+    scopes = [  # (not those under a transformation, nor a Linen module's by its method's name)
+        p for p in there.scopes if p in per_call and not _method_named(p, ran)
+    ]
     scopes += [p for p in ran if p not in scopes]  # (a module that makes no equations)
     if scopes:
         scoped = _selectable(fn, args, kwargs, _vocabulary.scopes, scopes)
@@ -286,6 +288,20 @@ def _map(fn, args, kwargs) -> Sites:
         return _nbytes(_shapes(fn, args, kwargs, at))
 
     return Sites(rows, bytes_of)
+
+
+_METHOD = re.compile(r"[A-Za-z_]\w*\.\w+")  # a scope Flax names after a method: "Net._run"
+
+
+def _method_named(path: str, ran) -> bool:
+    """Whether `path`, a scope of the program, names a Linen module that ran (`ran`: their
+    paths, as `pull` selects and keys them) through the scope of a method on the way (an
+    `nn.jit` method: `"Net/Net._run/block_0"` for `"Net/block_0"`)."""
+    if not ran or path in ran:
+        return False
+    parts = path.split("/")
+    kept = [p for p in parts if not _METHOD.fullmatch(p)]
+    return len(kept) < len(parts) and ("/".join(kept) in ran or not kept)
 
 
 def _transformed(stack: tuple, eqn) -> bool:

@@ -28,18 +28,24 @@ def with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
     # first name. `apply(..., method=f)` with a function `f` that calls a submodule
     # (`FlaxT5Model.encode`) calls no method of the root: no scope of its name then (None).
     roots: list[str | None] = []
+    building: list[None] = []  # one entry per `setup` running: what runs there only builds
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         outermost = not roots
         if outermost:  # (as Linen names its scope)
             roots.append(None if module.path else module.name or type(module).__name__)
+        setup = context.method_name == "setup"
+        if setup:
+            building.append(None)
         try:
             out = next_fun(*args, **kwargs)
         finally:
             if outermost:
                 roots.pop()
-        if context.method_name == "setup":  # it makes submodules: no value comes out
+            if setup:
+                building.pop()
+        if setup or building:  # it makes submodules (a helper `setup` calls): no value
             return out
         names = _scope_names(roots[0] if roots else None, module, context.method_name)
         return mark_selected(chosen, names, out, marked)
