@@ -303,3 +303,57 @@ def test_equinox_module_selections_through_a_filter_jit_answer_each_selection():
             m2, run2 = make()
             want = fresh(lambda: None, lambda _, at=at: stx.pull(run2, at=at)(m2, x))
             assert_same_pull(got, want)
+
+
+# ---- equinox's checkpointed while loop: the last iteration comes back ---------------------------
+
+
+def _loop(w, x):
+    def cond(c):
+        return c[0] < 3
+
+    def body(c):
+        i, h = c
+        return i + 1, stx.save_inter(jnp.sin(h * w) + i, name="h")
+
+    return jnp.sum(eqx.internal.while_loop(cond, body, (0, x), max_steps=4, kind="checkpointed")[1])
+
+
+def make_loop(depth):
+    def make():
+        core = jax.jit(lambda w, x: _loop(w, x)) if depth == "inside" else _loop
+        fn = lambda w, x: core(w, x) * 1.0  # noqa: E731
+        return jax.jit(fn) if depth == "outer" else fn
+
+    return make
+
+
+def _last_iteration(w, x):  # the loop by hand: the value the last iteration marks
+    h = x
+    for i in range(3):
+        h = jnp.sin(h * w) + i
+    return h
+
+
+@pytest.mark.parametrize("depth", ["outer", "inside", "none"])
+def test_an_equinox_checkpointed_loop_on_one_function_answers_as_a_fresh_one(depth):
+    make = make_loop(depth)
+    fn = make()
+    grad_make = lambda: jax.grad(make())  # noqa: E731
+    step = grad_make()
+    w = jnp.float32(0.7)
+    for n in (3, 5):
+        x = jnp.linspace(0.0, 1.0, n)
+        for options in ({}, {"only": "h"}, {"summarize": _summary}, {"ran": True}):
+            got = stx.pull(fn, **options)(w, x)
+            want = fresh(make, lambda f, o=options: stx.pull(f, **o)(w, x))
+            assert_same_pull(got, want)
+        _, got = stx.pull(fn)(w, x)
+        assert_same(got["h_0"], _last_iteration(w, x))  # (its documented rule)
+        for options in ({}, {"cotangents": True}):
+            got = stx.pull(step, **options)(w, x)
+            want = fresh(grad_make, lambda f, o=options: stx.pull(f, **o)(w, x))
+            assert_same_pull(got, want)
+        got = stx.plant(step)({"h": lambda v: 2 * v}, w, x)
+        want = fresh(grad_make, lambda f: stx.plant(f)({"h": lambda v: 2 * v}, w, x))
+        assert_same(got, want)
