@@ -259,12 +259,16 @@ def _rank_promotion():
 
 
 @pytest.mark.usefixtures("_rank_promotion")
-def test_keras_scopes_through_a_jit_answer_each_selection():
+@pytest.mark.parametrize("depth", ["outer", "inside"])
+def test_keras_scopes_through_a_jit_answer_each_selection(depth):
     model = make_keras()
     tv = [v.value for v in model.trainable_variables]
     ntv = [v.value for v in model.non_trainable_variables]
     x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
     call = jax.jit(lambda tv, ntv, x: model.stateless_call(tv, ntv, x)[0])
+    if depth == "inside":
+        jitted = call
+        call = lambda tv, ntv, x: jitted(tv, ntv, x) * 1.0  # noqa: E731
     for _ in range(2):
         for name in ("dense_a", "dense_b", "head"):
             got = stx.pull(call, at=stx.scopes(name))(tv, ntv, x)
@@ -277,18 +281,23 @@ def test_keras_scopes_through_a_jit_answer_each_selection():
 # ---- equinox modules and a jitted model ------------------------------------------------------
 
 
-def make_eqx():
+def make_eqx(depth):
     def make():
         keys = jax.random.split(jax.random.key(1), 3)
         model = eqx.nn.MLP(3, 2, 5, 2, key=keys[0])
-        run = eqx.filter_jit(lambda m, x: m(x))
-        return model, run
+        if depth == "outer":
+            return model, eqx.filter_jit(lambda m, x: m(x))
+        if depth == "inside":
+            inner = eqx.filter_jit(lambda m, x: m(x))
+            return model, lambda m, x: inner(m, x) * 1.0
+        return model, lambda m, x: m(x)
 
     return make
 
 
-def test_equinox_module_selections_through_a_filter_jit_answer_each_selection():
-    make = make_eqx()
+@pytest.mark.parametrize("depth", ["outer", "inside", "none"])
+def test_equinox_module_selections_through_a_filter_jit_answer_each_selection(depth):
+    make = make_eqx(depth)
     model, run = make()
     x = jnp.linspace(-1.0, 1.0, 3)
     layers = [model.layers[0](x)]

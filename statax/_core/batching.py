@@ -20,7 +20,6 @@ from jax._src import core  # isort: skip
 from jax._src.interpreters import batching  # isort: skip
 
 
-import contextvars
 import dataclasses
 
 from .._jax import jaxprs as _jaxprs
@@ -28,11 +27,10 @@ from .._jax import tracing as _tracing
 from .._jax.jaxprs import trace
 from . import context as _context
 from . import cotangents as _cotangents
-from .context import within
 from .marks import find_saves
 from .registry import Exposer, on_unregister
 
-__all__ = ["batch_traced", "loops_batched", "register_stacking"]
+__all__ = ["batch_traced", "register_stacking"]
 
 
 def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:
@@ -53,25 +51,15 @@ def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -
 _BATCHING: dict[jex.Primitive, _Batching] = {}
 
 
-# The loops that stack what their bodies mark (`register_stacking`), and how many of them are
-# being batched now, one inside another (`loops_batched`).
+# The loops that stack what their bodies mark (`register_stacking`).
 _STACKING: set = set()
-_LOOPS_BATCHED: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "statax_loops_batched", default=0
-)
 
 
 def register_stacking(primitive: jex.Primitive) -> None:
     """Declare `primitive` a loop that stacks its body's marks, one row per iteration (as
-    `scan`): `loops_batched` counts it while JAX batches it."""
+    `scan`): `_cotangents.loops_batched` counts it while JAX batches it."""
     _STACKING.add(primitive)
     _batching(primitive)
-
-
-def loops_batched() -> int:
-    """How many stacking loops `vmap` is batching now, one inside another: in a batching rule,
-    how many loops inside the `vmap` enclose the equation batched."""
-    return _LOOPS_BATCHED.get()
 
 
 def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
@@ -99,7 +87,7 @@ def _batching(primitive: jex.Primitive) -> _Batching:
             if exposer is None or not _params_hold_marks(params):
                 if primitive not in _STACKING:
                     return entry.original(axis_data, args, dims, **params)
-                with within(_LOOPS_BATCHED, _LOOPS_BATCHED.get() + 1):
+                with _cotangents.loop_batched():
                     return entry.original(axis_data, args, dims, **params)
             with _cotangents.kept():  # (their marks' cotangents are read where used)
                 return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)

@@ -33,6 +33,8 @@ __all__ = [
     "cotangent_tap_p",
     "keeping",
     "kept",
+    "loop_batched",
+    "loops_batched",
     "number",
     "on_transpose",
     "tap",
@@ -81,6 +83,24 @@ def kept():
 def keeping() -> bool:
     """Whether the walk leaves taps where it takes marks out (see `kept`)."""
     return _KEEP.get()
+
+
+# How many stacking loops (`_batching.register_stacking`) `vmap` is batching now, one inside
+# another: for a tap left in a loop, how many loops inside the `vmap` stack its cotangent.
+_LOOPS_BATCHED: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "statax_loops_batched", default=0
+)
+
+
+def loop_batched():
+    """Within, one more stacking loop is being batched (statax's batching rule for it)."""
+    return _context.within(_LOOPS_BATCHED, _LOOPS_BATCHED.get() + 1)
+
+
+def loops_batched() -> int:
+    """How many stacking loops `vmap` is batching now, one inside another: in a batching rule,
+    how many loops inside the `vmap` enclose the equation batched."""
+    return _LOOPS_BATCHED.get()
 
 
 def tapped(meta: StateMeta, tangents: list) -> tuple[StateMeta, list]:

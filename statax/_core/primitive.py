@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from .._jax import tracing as _tracing
-from . import batching as _batching
 from . import context as _context
 from . import cotangents as _cotangents
 from . import fastpaths as _fastpaths
@@ -437,7 +436,7 @@ def _batch(axis_size, vals, dims, **params):
         # then move its batch axis in front of theirs: see `StateMeta.moves`.)
         moves = meta.moves or (0,) * meta.batch_ndim
         batched = dataclasses.replace(
-            meta, batch_ndim=meta.batch_ndim + 1, moves=(_batching.loops_batched(), *moves)
+            meta, batch_ndim=meta.batch_ndim + 1, moves=(_cotangents.loops_batched(), *moves)
         )
         return _bind(batch_first(axis_size, vals, dims), batched, status), [0] * len(vals)
     fed = status == INPUT
