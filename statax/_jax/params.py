@@ -203,7 +203,7 @@ class ShardMapParts(NamedTuple):
     in_specs: tuple
     out_specs: tuple
     check_vma: bool
-    manual_axes: frozenset  # the mesh axes this shard_map makes manual
+    manual_axes: frozenset  # the mesh axes this shard_map makes manual (`handlers/shard_map`)
 
 
 def shard_map_parts(params: dict) -> ShardMapParts:

@@ -73,6 +73,8 @@ class Modules(Selection):
     inputs: bool = False
     reduce: str | None = None
     of: Any = dataclasses.field(default=None, compare=False, hash=False)
+    # `of`'s identity, which equality and hashing compare in its place (a model is no key):
+    # selections of two models are two cache keys. Read by the dataclass's `__eq__`/`__hash__`.
     of_id: int | None = None
 
     def __str__(self) -> str:

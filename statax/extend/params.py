@@ -1,17 +1,14 @@
 """Reading and writing the params of JAX's higher-order primitives, whatever the JAX version in
 use names them: a view of each family (`*_parts`) and a way back (`*_params`). A handler that
 reads params through these survives a JAX release that renames them (they live in
-`statax._compat`, the one module that knows JAX's internals)."""
+`statax._jax.params`, with the rest of what statax reads of JAX's internals). Each `*_parts`
+gives a named tuple of the family's parts, read by field (`scan_parts(params).jaxpr`)."""
 
 from .._core.custom_rules import custom_rule as custom_rule
 from .._core.custom_rules import custom_rule_in_library as custom_rule_in_library
 from .._core.custom_rules import custom_rule_inputs as custom_rule_inputs
 from .._core.custom_rules import custom_rule_params as custom_rule_params
 from .._jax.jaxprs import jaxprs_in_params as jaxprs_in_params
-from .._jax.params import LinearSolveParts as LinearSolveParts
-from .._jax.params import ScanParts as ScanParts
-from .._jax.params import ShardMapParts as ShardMapParts
-from .._jax.params import WhileParts as WhileParts
 from .._jax.params import call_jaxpr as call_jaxpr
 from .._jax.params import call_params as call_params
 from .._jax.params import checkpoint_options as checkpoint_options
@@ -31,10 +28,6 @@ from .._jax.params import shard_map_parts as shard_map_parts
 from .._jax.params import while_parts as while_parts
 
 __all__ = [
-    "LinearSolveParts",
-    "ScanParts",
-    "ShardMapParts",
-    "WhileParts",
     "call_jaxpr",
     "call_params",
     "checkpoint_options",

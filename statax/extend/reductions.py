@@ -7,7 +7,6 @@ from .._core.reduce import Mode as Mode
 from .._core.reduce import across_shards as across_shards
 from .._core.reduce import check_in_while as check_in_while
 from .._core.reduce import combine as combine
-from .._core.reduce import finalize as finalize
 from .._core.reduce import fold_axis as fold_axis
 from .._core.reduce import identity as identity
 from .._core.reduce import merge as merge
@@ -20,7 +19,6 @@ __all__ = [
     "across_shards",
     "check_in_while",
     "combine",
-    "finalize",
     "fold_axis",
     "identity",
     "merge",
