@@ -146,7 +146,7 @@ def test_handlers_import_only_statax_extend_jax_and_their_library(path):
         "from statax._core import marks\n",
         "from statax._core.registry import register_handler\n",
         "from statax import pull\n",
-        "import statax._jax.params\n",
+        "import statax._jax.primitive_params\n",
         "from jax._src import core\n",
         "import numpy as np\n",
         "from equinox.internal import _loop\n",
@@ -192,3 +192,45 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def private_imports(path: pathlib.Path, source: str | None = None) -> list[str]:
+    """`"module.name"` of each underscore name that `path` (or `source`, as if it were there)
+    imports from another of statax's modules (a dunder such as `__all__` is no private name)."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 0:
+            base = node.module or ""
+            if not base.startswith("statax"):
+                continue
+        else:
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+            base = f"{base}.{node.module}" if node.module else base
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                found.append(f"{base}.{alias.name} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", statax_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_imports_another_modules_private_name(path):
+    """A name another module uses is part of its module's interface: no underscore."""
+    assert private_imports(path) == []
+
+
+def test_a_private_import_is_caught():
+    source = (
+        "from .naming import _helper, check_only\n"
+        "from .._core.meta import ARRAY, __all__\n"
+        "from statax._core.marks import _cached\n"
+        "from jax._src import core\n"
+    )
+    found = private_imports(PACKAGE / "_drivers" / "pull.py", source)
+    assert found == [
+        "statax._drivers.naming._helper (line 1)",
+        "statax._core.marks._cached (line 3)",
+    ]

@@ -59,13 +59,13 @@ def register_stacking(primitive: jex.Primitive) -> None:
     """Declare `primitive` a loop that stacks its body's marks, one row per iteration (as
     `scan`): `_cotangents.loops_batched` counts it while JAX batches it."""
     _STACKING.add(primitive)
-    _batching(primitive)
+    batching_entry(primitive)
 
 
 def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
     """Run `guard(axis_data, dims, params)` before `primitive` is batched (it raises where the
     batching would be wrong), whatever else batches it. Kept by `unregister_handler`."""
-    _batching(primitive).guards.append(guard)
+    batching_entry(primitive).guards.append(guard)
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ class _Batching:
     guards: list = dataclasses.field(default_factory=list)
 
 
-def _batching(primitive: jex.Primitive) -> _Batching:
+def batching_entry(primitive: jex.Primitive) -> _Batching:
     entry = _BATCHING.get(primitive)
     if entry is None:
         entry = _BATCHING[primitive] = _Batching(_tracing.batching_rule(primitive))

@@ -118,7 +118,12 @@ def number() -> int:
 
 
 def tap(meta: StateMeta, n: int, tangents: list) -> list:
-    """`tangents` through the tap numbered `n` of the mark `meta`."""
+    """`tangents` through the tap numbered `n` of the mark `meta`. A mark's flag that it ran
+    (`pull(fn, ran=True)`: a boolean after its values) is no value of it: it passes by."""
+    if meta.flagged and tangents:
+        values = tangents[:-1]
+        out = tap(dataclasses.replace(meta, flagged=False), n, values)
+        return tangents if out is values else [*out, tangents[-1]]
     if not tangents or any(_skipped(t) for t in tangents):
         return tangents
     site = tuple(tuple(t.shape[meta.batch_ndim :]) for t in tangents)

@@ -12,7 +12,7 @@ import jax
 from jax.extend import core as jex
 from jax.extend import linear_util as linear_util_api
 
-from .._jax.params import custom_primal
+from .._jax.primitive_params import custom_primal
 
 __all__ = ["custom_rule", "custom_rule_in_library", "custom_rule_inputs", "custom_rule_params"]
 

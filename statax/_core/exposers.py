@@ -13,12 +13,12 @@ from jax.extend import core as jex
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
-from .batching import _batching
-from .marks import _eqn_saves, find_saves, selecting
+from .batching import batching_entry
+from .marks import eqn_saves, find_saves, selecting
 from .meta import StateMeta
 from .primitive import COLLECTING, IDLE, INERT, INPUT, save_inter_p
 from .registry import Exposer, Handler, Rewrite, Rewritten, on_forget, register_handler
-from .rewrite import _without_save_effect, call_equation, pull_open_jaxpr
+from .rewrite import call_equation, pull_open_jaxpr, without_save_effect
 
 __all__ = [
     "Exposer",
@@ -68,7 +68,7 @@ def register_exposer(primitive: jex.Primitive, exposer: Exposer, **declared) -> 
     `declared` (`thread_state` and the flags) are `register_handler`'s.
     """
     register_handler(primitive, handler_from_exposer(exposer), **declared)
-    _batching(primitive).exposer = exposer
+    batching_entry(primitive).exposer = exposer
 
 
 def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
@@ -132,14 +132,14 @@ def _inert(jaxpr, which):
                 if eqn.params["status"] == IDLE:  # it only reads: inert, it does nothing
                     continue
                 eqn = eqn.replace(params=dict(eqn.params, status=INERT))
-        elif _eqn_saves(eqn):
+        elif eqn_saves(eqn):
             eqn = eqn.replace(params=map_jaxprs(eqn.params, lambda j: inert(j, which)))
         if not _still_collects(eqn):
-            eqn = eqn.replace(effects=_without_save_effect(eqn.effects))
+            eqn = eqn.replace(effects=without_save_effect(eqn.effects))
         eqns.append(eqn)
     effects = jaxpr.effects
     if not any(_context.SAVE_EFFECT in eqn.effects for eqn in eqns):
-        effects = _without_save_effect(effects)
+        effects = without_save_effect(effects)
     return jaxpr.replace(eqns=eqns, effects=effects)
 
 

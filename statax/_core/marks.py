@@ -16,12 +16,12 @@ from jax.extend import core as jex
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
 from . import cotangents as _cotangents
-from . import equinox as _equinox
+from . import equinox_internals as _equinox
 from . import python_rules as _python_rules
 from . import staging as _staging
 from .meta import StateMeta
 from .primitive import INPUT, collected, save_inter_p
-from .registry import _rules_for, declares_flags, flags_for, on_forget
+from .registry import declares_flags, flags_for, on_forget, rules_for
 
 __all__ = [
     "acts_on",
@@ -68,7 +68,7 @@ def pull_differentiates() -> bool:
     return bool(_context.DIFFERENTIATING.value)
 
 
-def _selected(meta: StateMeta) -> bool:
+def selected(meta: StateMeta) -> bool:
     selection = _context.SELECTION.value
     return selection is None or bool(selection(meta))
 
@@ -77,10 +77,10 @@ def acts_on(params: dict) -> bool:
     """Whether the walk does something with a mark: collects it, or feeds its value in."""
     if params["status"] == INPUT:
         return True
-    return collected(params) and _selected(params["meta"])
+    return collected(params) and selected(params["meta"])
 
 
-def _cached(store: weakref.WeakKeyDictionary, key, compute):
+def cached_per_selection(store: weakref.WeakKeyDictionary, key, compute):
     per_rewrite = store.get(key)
     if per_rewrite is None:
         per_rewrite = store[key] = {}
@@ -102,38 +102,38 @@ def find_saves(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> tuple[StateMeta, ...]:
     depth, in order."""
     if isinstance(jaxpr, jex.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    return _marks(jaxpr)[0]
+    return marks_of(jaxpr)[0]
 
 
 def find_saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[StateMeta, ...]:
     """`find_saves` of a jaxpr's equations (not cached)."""
-    return _saves_in(eqns)[0]
+    return saves_in(eqns)[0]
 
 
-def _marks(jaxpr: jex.Jaxpr) -> tuple[tuple[StateMeta, ...], list[tuple[StateMeta, ...]]]:
+def marks_of(jaxpr: jex.Jaxpr) -> tuple[tuple[StateMeta, ...], list[tuple[StateMeta, ...]]]:
     """`(find_saves(jaxpr), per_eqn)`: also the marks of each equation (kept for the walk)."""
-    return _cached(_SAVES, jaxpr, lambda: _saves_in(jaxpr.eqns))
+    return cached_per_selection(_SAVES, jaxpr, lambda: saves_in(jaxpr.eqns))
 
 
-def _saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[tuple[StateMeta, ...], list]:
+def saves_in(eqns: Sequence[jex.JaxprEqn]) -> tuple[tuple[StateMeta, ...], list]:
     per_eqn = []
     for eqn in eqns:
         if eqn.primitive is save_inter_p:
             per_eqn.append((eqn.params["meta"],) if acts_on(eqn.params) else ())
         else:
-            per_eqn.append(_eqn_saves(eqn))
+            per_eqn.append(eqn_saves(eqn))
     return tuple(m for found in per_eqn for m in found), per_eqn
 
 
-def _known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
-    """Record `_marks(jaxpr)`, worked out otherwise (for the current selection)."""
+def known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
+    """Record `marks_of(jaxpr)`, worked out otherwise (for the current selection)."""
     _SAVES.setdefault(jaxpr, {})[_context.SELECTION.value, _cotangents.keeping()] = marks
 
 
-def _eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
+def eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     # (`eqn` may be an equation as a trace holds it, `_staging.staged_as_held`: a finder gets it
     # as a `JaxprEqn`.)
-    _, finder = _rules_for(eqn)
+    _, finder = rules_for(eqn)
     if finder is not None:
         return tuple(finder(_staging.as_equation(eqn)))
     if not eqn.params:

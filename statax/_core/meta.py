@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ARRAY", "StateMeta", "Static", "hashable", "keys_of", "split"]
+__all__ = [
+    "ARRAY",
+    "GRAD",
+    "RAN",
+    "KeyName",
+    "StateMeta",
+    "Static",
+    "hashable",
+    "key_names",
+    "keys_of",
+    "split",
+]
 
 
 class _ArraySlot:
@@ -137,7 +149,7 @@ class StateMeta:
     @property
     def planted_as(self) -> str:
         """The name `plant` knows this mark by: its name, or for a cotangent `f"{name}.grad"`."""
-        return f"{self.name}.grad" if self.grad else self.name
+        return self.name + GRAD if self.grad else self.name
 
     @functools.cached_property
     def num_values(self) -> int:
@@ -184,30 +196,88 @@ def occurrences(metas: Sequence[StateMeta]) -> list[tuple[str, int]]:
     return out
 
 
+GRAD = ".grad"  # a cotangent's key: its value's and this
+RAN = ".ran"  # whether an occurrence ran (`pull(fn, ran=True)`): its key and this
+_OCCURRENCE = re.compile(r"(.+)_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyName:
+    """The format of the keys `pull` returns, in one place: `"h_0"` (occurrence 0 of `h`),
+    `"h"` (a name saved with `reduce=`: one entry), and after either `".grad"` (the cotangent
+    that flowed back through it) or `".ran"` (whether it ran).
+
+    Attributes:
+        name: the mark's name.
+        occurrence: which occurrence of the name, from 0 in program order; `None` for a name
+            saved with `reduce=`.
+        suffix: `""` (the value), `GRAD` or `RAN`.
+    """
+
+    name: str
+    occurrence: int | None = None
+    suffix: str = ""
+
+    def __str__(self) -> str:
+        base = self.name if self.occurrence is None else f"{self.name}_{self.occurrence}"
+        return base + self.suffix
+
+    @classmethod
+    def parse(cls, key: str) -> KeyName:
+        """`key` read as `pull` writes keys: a trailing `_n` is an occurrence (`"h_2"` could also
+        be a reduced name of its own; `str()` of either reading is `key` again)."""
+        suffix = next((x for x in (GRAD, RAN) if key.endswith(x)), "")
+        base = key[: len(key) - len(suffix)]
+        match = _OCCURRENCE.fullmatch(base)
+        if match is None:
+            return cls(base, None, suffix)
+        return cls(match[1], int(match[2]), suffix)
+
+    @property
+    def grad(self) -> bool:
+        """Whether it names a cotangent."""
+        return self.suffix == GRAD
+
+    def value(self) -> KeyName:
+        """The key of the value itself (of a cotangent or a `.ran` flag)."""
+        return dataclasses.replace(self, suffix="")
+
+    def cotangent(self) -> KeyName:
+        return dataclasses.replace(self, suffix=GRAD)
+
+    def ran(self) -> KeyName:
+        return dataclasses.replace(self, suffix=RAN)
+
+
 def keys_of(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> list[str]:
     """The key `pull` gives each intermediate: `f"{name}_{n}"`, `n` counting the name's
     occurrences in order; a reduced name is keyed by itself; a cotangent by its value's key and
     `.grad`, its value being among `metas`, or else among `values` (the marks `pull` keys: for
     what `plant` takes in, where a cotangent comes without its value)."""
+    return [str(k) for k in key_names(metas, values)]
+
+
+def key_names(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> list[KeyName]:
+    """`keys_of`, as `KeyName`s."""
     counts: dict[str, int] = {}
-    keys = []
+    keys: list[KeyName | None] = []
     # tap number -> the keys of the values it taps, in program order: one, or one per call of a
     # function that JAX differentiated once for all of them (a `jax.jit` called twice)
-    tapped: dict[int, list[str]] = {}
-    for meta, key in zip(values, keys_of(values) if values else (), strict=True):
+    tapped: dict[int, list[KeyName]] = {}
+    for meta, key in zip(values, key_names(values) if values else (), strict=True):
         if meta.tap is not None and not meta.grad:
             tapped.setdefault(meta.tap, []).append(key)
     own = not tapped
     for meta in metas:
         if meta.reduce is not None:
-            keys.append(meta.name)
+            keys.append(KeyName(meta.name))
             continue
-        if meta.grad:  # a cotangent: after its value's key (`f"{key}.grad"`)
+        if meta.grad:  # a cotangent: after its value's key (`"h_0.grad"`)
             keys.append(None)
             continue
         n = counts.get(meta.name, 0)
         counts[meta.name] = n + 1
-        keys.append(f"{meta.name}_{n}")
+        keys.append(KeyName(meta.name, n))
         if meta.tap is not None and own:
             tapped.setdefault(meta.tap, []).append(keys[-1])
     grads: dict[str, int] = {}  # (a cotangent whose value is not among `metas`: counted apart)
@@ -220,6 +290,6 @@ def keys_of(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> lis
             if key is None:
                 n = grads.get(meta.name, 0)
                 grads[meta.name] = n + 1
-                key = f"{meta.name}_{n}"
-            keys[i] = key + ".grad"
+                key = KeyName(meta.name, n)
+            keys[i] = key.cotangent()
     return keys

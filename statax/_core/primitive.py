@@ -81,7 +81,7 @@ def _caller() -> tuple:
     return (None, 0) if frame is None else (frame.f_code, frame.f_lineno)
 
 
-def _caller_location() -> str:
+def caller_location() -> str:
     """`"file:line"` of the first frame outside statax."""
     return _location(*_caller())
 
@@ -150,11 +150,11 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
     if not isinstance(name, str):
         raise TypeError(
             f"save_inter(value, name=...) needs a string name, got {name!r} of type "
-            f'{type(name).__name__} at {_caller_location()}. Pass e.g. name="activation".'
+            f'{type(name).__name__} at {caller_location()}. Pass e.g. name="activation".'
         )
     if reduce is not None and reduce not in MODES:
         raise ValueError(
-            f"save_inter(..., reduce={reduce!r}) at {_caller_location()}: reduce must be one of "
+            f"save_inter(..., reduce={reduce!r}) at {caller_location()}: reduce must be one of "
             f"{', '.join(map(repr, MODES))}, or None to keep occurrences apart."
         )
     scope = _SCOPE.value
@@ -170,7 +170,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         meta = params["meta"]
     else:
         treedef, static, arrays = split(value)
-        meta = StateMeta(name, treedef, static, _caller_location(), reduce=reduce)
+        meta = StateMeta(name, treedef, static, caller_location(), reduce=reduce)
     return _mark(value, meta, arrays)
 
 
@@ -185,7 +185,7 @@ def _mark(value: T, meta: StateMeta, arrays: list) -> T:
     """What `save_inter` does with `value`, once its meta is made."""
     name, reduce = meta.name, meta.reduce
     if not _context.PULLING.value:
-        outs = _stage(arrays, meta, IDLE)  # (an identity, `UNPULLED`, with fast paths off)
+        outs = stage_mark(arrays, meta, IDLE)  # (an identity, `UNPULLED`, with fast paths off)
         return value if outs is arrays else meta.unflatten(outs)
     planting = _context.PLANTING.value  # `plant(fn)`: decided here, where bound
     if planting is not None and meta.planted_as in planting.names:
@@ -202,7 +202,7 @@ def _mark(value: T, meta: StateMeta, arrays: list) -> T:
     selection = _context.SELECTION.value  # `pull(fn, only=...)`: decided here, where bound
     if selection is not None and not selection(meta):
         status = INERT
-    if status == COLLECTING and meta.reduce is None and _context.RAN_MASKS.value:
+    if status == COLLECTING and meta.reduce is None and _context.RAN_MASKS.value and not meta.grad:
         # `pull(fn, ran=True)`: a boolean beside the value, true here; where this does not
         # run (a branch not taken), the handlers' zeros make it false.
         flagged = dataclasses.replace(meta, flagged=True)
@@ -227,10 +227,10 @@ def _bind(arrays: list, meta: StateMeta, status: str) -> list:
         if status == COLLECTING:
             collector.add(meta, arrays)
         return arrays
-    return _stage(arrays, meta, status)
+    return stage_mark(arrays, meta, status)
 
 
-def _stage(arrays: list, meta: StateMeta, status: str) -> list:
+def stage_mark(arrays: list, meta: StateMeta, status: str) -> list:
     """`save_inter_p.bind`, staged directly where it can be (see `_staging.stage`). An idle mark
     defines nothing: it only reads `arrays`, which it returns (see `_staging.observe`), so that a
     mark costs one equation and no other work."""
@@ -243,12 +243,12 @@ def _stage(arrays: list, meta: StateMeta, status: str) -> list:
         return arrays
     if not _fastpaths.on:
         return save_inter_p.bind(*arrays, **params)
-    effects = _SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
+    effects = SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
     outs = _staging.stage(save_inter_p, arrays, params, effects)
     return save_inter_p.bind(*arrays, **params) if outs is None else outs
 
 
-_SAVE_EFFECTS = frozenset({_context.SAVE_EFFECT})
+SAVE_EFFECTS = frozenset({_context.SAVE_EFFECT})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -256,7 +256,7 @@ def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
     """The params of an idle mark on one array at `site` (`_caller()`), made once per site and
     name (equations share them: JAX never edits an equation's params in place); a collected
     mark there takes their meta."""
-    meta = StateMeta(name, _LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
+    meta = StateMeta(name, LEAF, _ONE_ARRAY, _location(*site), reduce=reduce)
     return {"meta": meta, "status": IDLE}
 
 
@@ -278,7 +278,7 @@ _getframe = sys._getframe
 _STAGED_TRACER, _SCOPE, _PULLING = _staging.STAGED_TRACER, _context.SCOPE, _context.PULLING
 _observe_staged = _staging.observe_staged
 
-_LEAF = jax.tree_util.tree_structure(0)
+LEAF = jax.tree_util.tree_structure(0)
 _ONE_ARRAY = (ARRAY,)
 
 
@@ -356,8 +356,8 @@ def _impl(*xs, meta, status):
 
 
 @save_inter_p.def_effectful_abstract_eval
-def _abstract_eval(*avals, meta, status):  # (as `_stage` stages it)
-    effects = _SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
+def _abstract_eval(*avals, meta, status):  # (as `stage_mark` stages it)
+    effects = SAVE_EFFECTS if status == COLLECTING else _context.NO_EFFECTS
     return _outputs(list(avals), status), effects
 
 
@@ -387,7 +387,8 @@ def _linearize(nonzeros, *primals, meta, status):
             list(nonzeros),
             lambda *t: _cotangents.tap(meta, meta.tap, list(t)) if tapped else list(t),
         )
-    if _cotangents.taps(meta, status, COLLECTING) and all(nonzeros):
+    values = nonzeros[:-1] if meta.flagged else nonzeros  # (a flag that it ran is no value)
+    if _cotangents.taps(meta, status, COLLECTING) and values and all(values):
         number = _cotangents.number()
         outs = _bind(list(primals), dataclasses.replace(meta, tap=number), status)
         return outs, list(nonzeros), lambda *t: _cotangents.tap(meta, number, list(t))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._jax import params as _params
+from .._jax import primitive_params as _params
 from .errors import ReduceMismatchError
 from .meta import StateMeta
 

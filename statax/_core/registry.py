@@ -252,7 +252,7 @@ def _forget_rewrites() -> None:
         callback()
 
 
-def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
+def rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
     """`(handler, finder)` for `eqn`: its primitive's, else its family's, else `(None, None)`."""
     handler = _HANDLERS.get(eqn.primitive)
     if handler is not None:
@@ -265,7 +265,7 @@ def _rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
 
 def handler_for(eqn: jex.JaxprEqn) -> Handler | None:
     """`eqn`'s handler: its primitive's, else its family's, else `None`."""
-    return _rules_for(eqn)[0]
+    return rules_for(eqn)[0]
 
 
 def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None]:

@@ -31,10 +31,10 @@ from . import staging as _staging
 from .errors import HandlerError, UnhandledPrimitiveError
 from .evaluator import keep
 from .evaluator import rewrite as rewrite_jaxpr
-from .marks import _cached, _known_marks, _marks, _saves_in, _selected, find_saves
+from .marks import cached_per_selection, find_saves, known_marks, marks_of, saves_in, selected
 from .meta import StateMeta
 from .primitive import COLLECTING, INPUT, TAPPING, collected, save_inter_p
-from .registry import Rewrite, Rewritten, _rules_for, on_forget
+from .registry import Rewrite, Rewritten, on_forget, rules_for
 
 __all__ = [
     "call_equation",
@@ -72,7 +72,7 @@ def pull_jaxpr(closed_jaxpr: jex.ClosedJaxpr) -> Rewritten:
     Raises:
         UnhandledPrimitiveError: a higher-order primitive without a handler holds a mark.
     """
-    return _cached(_PULLED, closed_jaxpr, lambda: _pull_closed(closed_jaxpr))
+    return cached_per_selection(_PULLED, closed_jaxpr, lambda: _pull_closed(closed_jaxpr))
 
 
 def _pull_closed(closed_jaxpr) -> Rewritten:
@@ -105,7 +105,7 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
     # staged, and walk the whole.
     eqns: list[jex.JaxprEqn] = []
     per_eqn: list[tuple[StateMeta, ...]] = []  # the marks of each, from those found already
-    found = _marks(jaxpr)[1]
+    found = marks_of(jaxpr)[1]
     leaves = iter(jaxpr.outvars[num_out:])
     done = 0
     for position, meta in marks:
@@ -126,7 +126,7 @@ def pull_collected(closed_jaxpr: jex.ClosedJaxpr, marks: Sequence[tuple[int, Sta
         outvars=jaxpr.outvars[:num_out],
         debug_info=_jaxprs.extend_debug_info(jaxpr.debug_info, [], keep=num_out),
     )
-    _known_marks(restored, (tuple(m for ms in per_eqn for m in ms), per_eqn))
+    known_marks(restored, (tuple(m for ms in per_eqn for m in ms), per_eqn))
     return pull_jaxpr(jex.ClosedJaxpr(restored, closed_jaxpr.consts))
 
 
@@ -138,7 +138,7 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     Returns `(outs, leaves, metas)`: `outs` (the function's flat outputs) as they now are, the
     flat leaves of the intermediates, and their metas, in program order."""
     metas = tuple(meta for _, meta in collector.marks)
-    marks_in = _saves_in(_staging.staged_as_held(trace, start))
+    marks_in = saves_in(_staging.staged_as_held(trace, start))
     if not marks_in[0]:  # the usual case: every mark was collected as it was made
         leaves = collector.leaves
         if any(m.reduce is not None for m in metas):
@@ -159,7 +159,7 @@ def pull_staged(trace, start: int, outs: Sequence, collector) -> tuple[list, lis
     ]
     effects = set().union(*(e.effects for e in eqns))
     jaxpr = jex.Jaxpr([], [], outvars, eqns, effects, _jaxprs.debug_info("pull"))
-    _known_marks(jaxpr, marks_in)
+    known_marks(jaxpr, marks_in)
     marks = [(position - start, meta) for position, meta in collector.marks]
     new, metas, ins = pull_collected(jex.ClosedJaxpr(jaxpr, []), marks)
     assert not ins, "marks are planted only where nothing is staged in place"
@@ -212,7 +212,7 @@ def pull_open_jaxpr(jaxpr: jex.Jaxpr) -> Rewritten:
     """`pull_jaxpr` for an open `Jaxpr` (as `jax.checkpoint` keeps in its params).
 
     Occurrences of reduced names are not folded here but by the enclosing `pull_jaxpr`."""
-    return _cached(
+    return cached_per_selection(
         _PULLED_OPEN, jaxpr, lambda: _pull(jaxpr) if find_saves(jaxpr) else Rewritten(jaxpr)
     )
 
@@ -222,7 +222,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
     outs: list[StateMeta] = []
     extra_in: list[jex.Var] = []
     ins: list[StateMeta] = []
-    marks = iter(_marks(jaxpr)[1])  # the marks each equation holds, in order
+    marks = iter(marks_of(jaxpr)[1])  # the marks each equation holds, in order
     eqns: list[jex.JaxprEqn] = []
     emit = eqns.append
 
@@ -236,7 +236,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
                 invars = [jex.Var(x.aval) for x in eqn.outvars]
                 extra_in.extend(invars)
                 ins.append(meta)
-            elif collected(eqn.params) and _selected(meta):
+            elif collected(eqn.params) and selected(meta):
                 extra_out.extend(invars)
                 if _cotangents.keeping() and meta.reduce is None and meta.tap is None:
                     meta = dataclasses.replace(meta, tap=_cotangents.number())
@@ -246,7 +246,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             return invars if eqn.outvars else []  # (an idle mark has none)
         if not inner:
             return keep(eqn, invars, emit)
-        handler, _ = _rules_for(eqn)
+        handler, _ = rules_for(eqn)
         if handler is None:
             in_rules = not any(_jaxprs.jaxprs_in_params(eqn.params))
             raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)
@@ -255,7 +255,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
         with source_info_api.user_context(eqn.source_info.traceback):  # errors: the user's line
             rewrite = _check_handler_result(eqn, handler(eqn))
         new_eqn = rewrite.eqn
-        emit(new_eqn.replace(effects=_without_save_effect(new_eqn.effects)))
+        emit(new_eqn.replace(effects=without_save_effect(new_eqn.effects)))
         extra_out.extend(new_eqn.outvars[len(eqn.outvars) :])
         outs.extend(rewrite.outs)
         extra_in.extend(new_eqn.invars[len(eqn.invars) :])
@@ -269,7 +269,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
         eqns=eqns,
         invars=[*jaxpr.invars, *extra_in],
         outvars=[*outvars, *extra_out],
-        effects=_without_save_effect(jaxpr.effects),
+        effects=without_save_effect(jaxpr.effects),
         debug_info=_jaxprs.extend_debug_info(jaxpr.debug_info, names, arg_names=in_names),
     )
     return Rewritten(new, tuple(outs), tuple(ins))
@@ -284,7 +284,7 @@ def _tap_left(invars, meta: StateMeta, emit) -> list:
     return outvars
 
 
-def _without_save_effect(effects):
+def without_save_effect(effects):
     # Once pulled, no mark is left inside, and so neither is the effect marks carry.
     return effects - {_context.SAVE_EFFECT} if _context.SAVE_EFFECT in effects else effects
 

@@ -20,7 +20,7 @@ from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 from jax.interpreters import partial_eval as pe_api
 
-from .._jax.tracing import _TRACE
+from .._jax.tracing import TRACE
 from .context import NO_EFFECTS
 
 from jax._src import config as jax_config  # isort: skip
@@ -170,7 +170,7 @@ def observe(prim: jex.Primitive, args: Sequence[Any], params: dict) -> bool:
 
 def _tracing_all(args: Sequence[Any]) -> Any:
     """The jaxpr trace in force, if every one of `args` is a tracer of it; else `None`."""
-    trace = _TRACE.value
+    trace = TRACE.value
     if type(trace) is not pe.DynamicJaxprTrace:
         return None
     for x in args:
@@ -187,7 +187,7 @@ def observe_staged(prim: jex.Primitive, x: Any, params: dict) -> bool:
     """`observe` of one value, a `STAGED_TRACER`: all in one function, since every call counts
     where a mark is made."""
     trace = x._trace
-    if trace is not _TRACE.value or type(trace) is not _JAXPR_TRACE:
+    if trace is not TRACE.value or type(trace) is not _JAXPR_TRACE:
         return False
     parent = x.parent  # the equation that made `x`
     frame = trace.frame
@@ -256,7 +256,7 @@ def trace_length(trace: Any) -> int:
 def staging_trace() -> Any:
     """The trace in force if it stages a jaxpr whose equations `staged` and `restage` may read
     and edit (a `DynamicJaxprTrace` keeping every equation: no auto-DCE), else `None`."""
-    trace = _TRACE.value
+    trace = TRACE.value
     if type(trace) is pe.DynamicJaxprTrace and not trace.frame.auto_dce:
         return trace
     return None

@@ -24,7 +24,7 @@ from . import staging as _staging
 from .derivatives import zero_tangent
 from .errors import StateError, StatefulWarning
 from .meta import ARRAY, StateMeta, kind_str, split
-from .primitive import _caller_location, batch_first
+from .primitive import batch_first, caller_location
 
 __all__ = ["get_state", "get_state_p", "set_state", "set_state_p"]
 
@@ -54,7 +54,7 @@ class Given:
         return None
 
 
-def _split(value: Any, name: str, location: str) -> tuple[StateMeta, list]:
+def split_state(value: Any, name: str, location: str) -> tuple[StateMeta, list]:
     treedef, static, arrays = split(value)
     return StateMeta(name, treedef, static, location), arrays
 
@@ -63,12 +63,12 @@ def _check_name(name: Any, what: str) -> str:
     if not isinstance(name, str):
         raise TypeError(
             f"{what} needs a string name, got {name!r} of type {type(name).__name__} at "
-            f'{_caller_location()}. Pass e.g. name="running_mean".'
+            f'{caller_location()}. Pass e.g. name="running_mean".'
         )
     return _context.SCOPE.value + name
 
 
-def _kind(meta: StateMeta, avals: Sequence) -> str:
+def kind_of(meta: StateMeta, avals: Sequence) -> str:
     shapes = iter(kind_str(a.shape, a.dtype) for a in avals)
     leaves = [
         next(shapes) if s is ARRAY else repr(getattr(s, "value", s)) for s in meta.static_leaves
@@ -96,7 +96,7 @@ def get_state(name: str, init: Callable[[], Any] | None = None) -> Any:
     """
     name = _check_name(name, "get_state")
     given = _context.STATEFUL.value
-    location = _caller_location()
+    location = caller_location()
     if given is None:
         warnings.warn(
             f"get_state({name!r}) at {location} ran outside stx.stateful: it returns init(), and "
@@ -107,7 +107,7 @@ def get_state(name: str, init: Callable[[], Any] | None = None) -> Any:
         if init is None:
             raise StateError(f"get_state({name!r}) at {location} has no init and no state.")
         return init()
-    default = None if init is None else _split(init(), name, location)
+    default = None if init is None else split_state(init(), name, location)
     spec = given.get(name)
     if spec is None and default is None:  # the kind it was last set to, if it was
         kind = given.set_kinds.get(name)
@@ -160,8 +160,9 @@ def _check_given(expected: StateMeta, expected_avals, given: StateMeta, given_av
         return bool(extra) and extra != {()}
     if not ok:
         raise StateError(
-            f"The state {given.name!r} passed in is {_kind(given, given_avals)}, but get_state at "
-            f"{expected.location} expects {_kind(expected, expected_avals)} (what its init() "
+            f"The state {given.name!r} passed in is {kind_of(given, given_avals)}, but "
+            "get_state at "
+            f"{expected.location} expects {kind_of(expected, expected_avals)} (what its init() "
             "returns). Pass a value of the same structure, shapes and dtypes."
         )
 
@@ -180,7 +181,7 @@ def set_state(value: Any, name: str) -> Any:
     given = _context.STATEFUL.value
     if given is None:
         return value
-    meta, arrays = _split(value, name, _caller_location())
+    meta, arrays = split_state(value, name, caller_location())
     given.set_kinds[name] = (meta, tuple(jax.typeof(x) for x in arrays))
     return meta.unflatten(set_state_p.bind(*arrays, meta=meta))
 

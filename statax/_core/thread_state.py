@@ -33,9 +33,9 @@ from .errors import StateError
 from .evaluator import bind_equation, equations, evaluate
 from .exposers import inert, map_jaxprs, mark, split_leaves, take
 from .meta import StateMeta
-from .primitive import IDLE, _stage
+from .primitive import IDLE, stage_mark
 from .registry import handler_for, rebinding_for, state_rules_for
-from .state import _kind, get_state_p, set_state_p
+from .state import get_state_p, kind_of, set_state_p
 
 __all__ = ["Threading", "refuse_batched_state", "run"]
 
@@ -43,7 +43,7 @@ __all__ = ["Threading", "refuse_batched_state", "run"]
 # ---- the threading interpreter --------------------------------------------------------------
 
 
-class _Slot(NamedTuple):
+class Slot(NamedTuple):
     """The current value of a name: its structure, its array leaves, and the manual mesh axes
     they are split over, one row per shard (set in a `shard_map`), or `()`."""
 
@@ -52,14 +52,14 @@ class _Slot(NamedTuple):
     shards: tuple = ()
 
 
-class _Log:
+class Log:
     """What a threading run saw, in program order."""
 
     def __init__(self):
         self.set_order: list[str] = []
         self.read_order: list[str] = []
-        self.top_defaults: dict[str, _Slot] = {}  # read with no value, at depth 0: init()
-        self.defaults: dict[str, _Slot] = {}  # the same at any depth (for a loop's first pass)
+        self.top_defaults: dict[str, Slot] = {}  # read with no value, at depth 0: init()
+        self.defaults: dict[str, Slot] = {}  # the same at any depth (for a loop's first pass)
         self.depth = 0
 
     def set(self, name):
@@ -79,7 +79,7 @@ class _Names(NamedTuple):
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _names(jaxpr) -> _Names:
+def state_names(jaxpr) -> _Names:
     """The state names a jaxpr (at any depth) reads and sets."""
     if _jaxprs.wraps_jaxpr(jaxpr):
         jaxpr = jaxpr.jaxpr
@@ -98,7 +98,7 @@ def _names(jaxpr) -> _Names:
             elif eqn.primitive is set_state_p:
                 write(eqn.params["meta"], tuple(x.aval for x in eqn.invars))
             elif (ran := _ran_jaxpr(eqn)) is not None:  # Python functions a primitive runs
-                inner = _names(ran)
+                inner = state_names(ran)
                 reads |= inner.reads
                 for w in inner.writes.values():
                     write(*w)
@@ -107,7 +107,7 @@ def _names(jaxpr) -> _Names:
 
 
 def _holds_state(eqn) -> bool:
-    return any((lambda n: n.reads or n.writes)(_names(sub)) for sub in _inner(eqn))
+    return any((lambda n: n.reads or n.writes)(state_names(sub)) for sub in _inner(eqn))
 
 
 def _inner(eqn) -> list:
@@ -137,8 +137,8 @@ def _ran(eqn, runs: Callable):
     return hit[1]
 
 
-def run(jaxpr, consts, args, env: dict, log: _Log) -> list:
-    """Evaluate `jaxpr` in the current trace, threading `env` (name -> `_Slot`) through it."""
+def run(jaxpr, consts, args, env: dict, log: Log) -> list:
+    """Evaluate `jaxpr` in the current trace, threading `env` (name -> `Slot`) through it."""
 
     def step(eqn, invals):
         prim = eqn.primitive
@@ -146,7 +146,7 @@ def run(jaxpr, consts, args, env: dict, log: _Log) -> list:
             return _get(eqn.params["meta"], eqn.params["avals"], invals, env, log)
         if prim is set_state_p:
             meta = eqn.params["meta"]
-            env[meta.name] = _Slot(meta, tuple(invals))
+            env[meta.name] = Slot(meta, tuple(invals))
             log.set(meta.name)
             return invals
         rebind = rebinding_for(eqn)
@@ -161,7 +161,7 @@ def run(jaxpr, consts, args, env: dict, log: _Log) -> list:
             return run(*_closed(_ran(eqn, runs)), invals, env, log)
         if (handler := handler_for(eqn)) is not None:
             return _on_handler_contract(eqn, invals, Threading(env, log), handler)
-        inner = [_names(sub) for sub in _jaxprs.jaxprs_in_params(eqn.params)]
+        inner = [state_names(sub) for sub in _jaxprs.jaxprs_in_params(eqn.params)]
         used = sorted({n for i in inner for n in (*i.reads, *i.writes)})
         raise StateError(
             f"stx.stateful cannot thread state through the primitive `{prim}`, which "
@@ -177,7 +177,7 @@ def _get(meta: StateMeta, avals, defaults, env, log) -> list:
     log.read(meta.name)
     slot = env.get(meta.name)
     if slot is None:  # no value yet: this read's own init()
-        default = _Slot(meta, tuple(defaults))
+        default = Slot(meta, tuple(defaults))
         log.defaults.setdefault(meta.name, default)
         if log.depth == 0:
             log.top_defaults.setdefault(meta.name, default)
@@ -185,7 +185,7 @@ def _get(meta: StateMeta, avals, defaults, env, log) -> list:
     return _conform(slot, meta, avals, "read by get_state")
 
 
-def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
+def _conform(slot: Slot, meta: StateMeta, avals, what: str) -> list:
     """`slot`'s leaves as values of `meta`'s kind and `avals`, an unbatched value broadcast to
     the batch axes of `avals`; a `StateError` where they are of another kind."""
     ok = slot.meta.treedef == meta.treedef and slot.meta.static_leaves == meta.static_leaves
@@ -198,7 +198,7 @@ def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
             break
         out.append(jnp.broadcast_to(x, aval.shape) if batched else x)
     if not ok:
-        held = _kind(slot.meta, [jax.typeof(x) for x in slot.leaves])
+        held = kind_of(slot.meta, [jax.typeof(x) for x in slot.leaves])
         hint = (
             " A value set under a vmap (or passed in from one) is per example: read it inside a "
             "vmap, or apply the vmap outside stateful, jax.vmap(stx.stateful(f))."
@@ -207,7 +207,7 @@ def _conform(slot: _Slot, meta: StateMeta, avals, what: str) -> list:
         )
         raise StateError(
             f"The state {meta.name!r} holds {held} (from {slot.meta.location}), but is {what} at "
-            f"{meta.location} as {_kind(meta, avals)}. A state keeps its structure, shapes and "
+            f"{meta.location} as {kind_of(meta, avals)}. A state keeps its structure, shapes and "
             f"dtypes.{hint}"
         )
     return out
@@ -239,16 +239,16 @@ class Threading:
 
     __slots__ = ("env", "log")
 
-    def __init__(self, env: dict, log: _Log):
+    def __init__(self, env: dict, log: Log):
         self.env, self.log = env, log
 
     def uses(self, jaxpr) -> _Names:
         """The names `jaxpr` reads (`.reads`) and sets (`.writes`: name -> `(meta, avals)`)."""
-        return _names(jaxpr)
+        return state_names(jaxpr)
 
     def present(self, *jaxprs) -> list[str]:
         """The names with a value now that any of `jaxprs` reads or sets."""
-        used = [_names(j) for j in jaxprs]
+        used = [state_names(j) for j in jaxprs]
         return [n for n in self.env if any(n in u.reads or n in u.writes for u in used)]
 
     def run(self, jaxpr, args: Sequence) -> list:
@@ -259,7 +259,7 @@ class Threading:
         """`f(args, state) -> (outs, new_state)`: `jaxpr` threaded in a new trace (a loop
         body, a branch, a checkpointed or per-shard function). `state` holds the leaves of
         `names` (name -> leaves); the other names are read as they are now, or as `start`
-        (name -> `_Slot`, from `carried`) has them. `new_state` holds the leaves of each name
+        (name -> `Slot`, from `carried`) has them. `new_state` holds the leaves of each name
         in `touched` (name -> `(meta, avals)`), as values of that kind."""
         env = {**self.env, **(start or {})}
         return _threaded(jaxpr, names, env, self.log, touched)
@@ -267,7 +267,7 @@ class Threading:
     def carried(
         self, writes: dict, jaxpr, args: Sequence, loop: str, *, may_run_none: bool
     ) -> dict:
-        """The value each name a loop sets starts the loop with (name -> `_Slot`; its
+        """The value each name a loop sets starts the loop with (name -> `Slot`; its
         `.leaves`): its value before the loop; else what the first iteration (`jaxpr` on
         `args`) reads; else zeros, for a loop that always runs; and a `StateError` naming
         `loop` for one that `may_run_none` (it would have no value after it)."""
@@ -298,7 +298,7 @@ def _closed(jaxpr) -> tuple:
     return jaxpr, ()
 
 
-def _threaded(jaxpr, names: Sequence[str], env: dict, log: _Log, touched: dict) -> Callable:
+def _threaded(jaxpr, names: Sequence[str], env: dict, log: Log, touched: dict) -> Callable:
     open_jaxpr, consts = _closed(jaxpr)
 
     def f(args, state):
@@ -318,24 +318,24 @@ def _threaded(jaxpr, names: Sequence[str], env: dict, log: _Log, touched: dict) 
     return f
 
 
-def _update(env: dict, new: dict, touched: dict, log: _Log, shards: tuple = ()) -> None:
+def _update(env: dict, new: dict, touched: dict, log: Log, shards: tuple = ()) -> None:
     for n, leaves in new.items():
-        env[n] = _Slot(touched[n][0], tuple(leaves), shards)
+        env[n] = Slot(touched[n][0], tuple(leaves), shards)
         log.set(n)
 
 
 def _carried(
-    writes: dict, env: dict, log: _Log, probe: Callable | None, loop: str, may_run_none: bool
+    writes: dict, env: dict, log: Log, probe: Callable | None, loop: str, may_run_none: bool
 ) -> dict:
     first = probe() if probe is not None and any(n not in env for n in writes) else {}
     init = {}
     for n, (meta, avals) in writes.items():
         if n in env:
-            init[n] = _Slot(meta, tuple(_conform(env[n], meta, avals, "carried")))
+            init[n] = Slot(meta, tuple(_conform(env[n], meta, avals, "carried")))
         elif n in first:
-            init[n] = _Slot(meta, tuple(_conform(first[n], meta, avals, "carried")))
+            init[n] = Slot(meta, tuple(_conform(first[n], meta, avals, "carried")))
         elif not may_run_none:
-            init[n] = _Slot(meta, tuple(jnp.zeros(a.shape, a.dtype) for a in avals))
+            init[n] = Slot(meta, tuple(jnp.zeros(a.shape, a.dtype) for a in avals))
         else:
             raise StateError(
                 f"The state {n!r} is set inside a {loop} (at {meta.location}) and has no value "
@@ -347,7 +347,7 @@ def _carried(
 
 def _probe(jaxpr, args, env, log) -> Callable:
     """`probe()`: what a first iteration of the loop body `jaxpr` reads with no value yet (its
-    `init()`s), name -> `_Slot`. The trial iteration is traced apart, and only what those values
+    `init()`s), name -> `Slot`. The trial iteration is traced apart, and only what those values
     need is evaluated here: the rest of it would stay in the program as dead code, where a
     selection (`at=`) would find its places a second time."""
 
@@ -355,7 +355,7 @@ def _probe(jaxpr, args, env, log) -> Callable:
         found: dict = {}
 
         def trial_run(*args):
-            trial = _Log()
+            trial = Log()
             trial.depth = log.depth
             run(*_closed(inert(jaxpr)), args, dict(env), trial)
             found.update(trial.defaults)
@@ -388,7 +388,7 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
 
     def thread(jaxpr):
         closed = jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jex.ClosedJaxpr(jaxpr, ())
-        writes = _names(closed).writes
+        writes = state_names(closed).writes
 
         def body(*args):
             avals = [jax.typeof(x) for s in ins.values() for x in s.leaves]
@@ -396,7 +396,7 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
             env = {
                 n: s._replace(leaves=tuple(next(leaves) for _ in s.leaves)) for n, s in ins.items()
             }
-            log = _Log()
+            log = Log()
             log.depth = threading.log.depth + 1
             outs = run(closed.jaxpr, closed.consts, list(args), env, log)
             done = [n for n in log.set_order if n in writes]
@@ -428,7 +428,7 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
         elif _context.PULLING.value:  # a user's mark, taken out by the handler: marked again
             mark(list(leaves), [meta])
         else:
-            _stage(list(leaves), meta, IDLE)
+            stage_mark(list(leaves), meta, IDLE)
     return list(flat[:n])
 
 
@@ -442,7 +442,7 @@ def refuse_batched_state(
 
     def guard(axis_data, dims, params):
         if _context.STATEFUL.value is None or not any(
-            _names(j).reads or _names(j).writes for j in _jaxprs.jaxprs_in_params(params)
+            state_names(j).reads or state_names(j).writes for j in _jaxprs.jaxprs_in_params(params)
         ):
             return
         if predicate_batched(axis_data, params, dims):

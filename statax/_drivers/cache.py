@@ -17,7 +17,7 @@ from .._core.meta import hashable
 from .._core.registry import on_forget
 from .._jax import tracing as _tracing
 
-_TRACED_PY_NUMBERS = (float, complex)
+TRACED_PY_NUMBERS = (float, complex)
 _MAX_ENTRIES_PER_FUNCTION = 64
 
 
@@ -35,10 +35,10 @@ on_forget(_CACHE.clear)  # a new handler may see what the old ones could not
 # runs op by op, as `f` would), and calls on anything but arrays, take the path above.
 
 _ARRAY = type(jnp.zeros(()))  # what `jax.Array`s are (jaxlib's `ArrayImpl`)
-_is_array = _ARRAY.__instancecheck__  # (no tracer is one)
+is_array = _ARRAY.__instancecheck__  # (no tracer is one)
 
 
-def _traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
+def traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
     """`(traced, None, avals)`: `_trace`'s arguments after `call, leaves, treedef`, for `pull`
     of everything."""
     traced, dynamic, _ = arguments_key(leaves, treedef)
@@ -61,7 +61,7 @@ def arguments_key(leaves: list, treedef) -> tuple[list, list, tuple]:
     """`(traced, dynamic, key)`: which leaves are traced, those leaves, and what a cached trace
     for them is keyed by (as `jax.jit`: JAX's trace context too, so that no result traced
     under other flags comes back)."""
-    traced = _traced_mask(leaves, treedef)
+    traced = traced_mask(leaves, treedef)
     dynamic = [leaf for leaf, t in zip(leaves, traced, strict=True) if t]
     key = (
         _tracing.trace_context(),
@@ -72,21 +72,21 @@ def arguments_key(leaves: list, treedef) -> tuple[list, list, tuple]:
     return traced, dynamic, key
 
 
-def _traced_mask(leaves: list, treedef) -> list[bool]:
+def traced_mask(leaves: list, treedef) -> list[bool]:
     """Array leaves are traced; so is a Python float or complex passed directly as an argument.
 
     Python ints and bools stay static, as in `eqx.filter_jit`: they are sizes, flags and
     `static_argnums` far more often than data.
     """
     traced = [eqx.is_array(leaf) for leaf in leaves]
-    if not any(isinstance(leaf, _TRACED_PY_NUMBERS) for leaf in leaves):
+    if not any(isinstance(leaf, TRACED_PY_NUMBERS) for leaf in leaves):
         return traced
     _, args_def, kwargs_def = treedef.children()
     start = treedef.children()[0].num_leaves
     for child in (*args_def.children(), *kwargs_def.children()):
         if (
             child.num_leaves == 1
-            and isinstance(leaves[start], _TRACED_PY_NUMBERS)
+            and isinstance(leaves[start], TRACED_PY_NUMBERS)
             and (jax.tree_util.treedef_is_leaf(child))
         ):
             traced[start] = True

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core.meta import KeyName
 from .._core.tracebacks import boundary
 from .pull import pull
 
@@ -108,7 +109,7 @@ def _first(inters: dict) -> NonFinite | None:
     one loop body), the one non-finite at the iteration the backward pass reaches first."""
     found = []  # (key, leading index, how early it is reached), in the order the pass made them
     for key, value in inters.items():
-        if not key.endswith(".grad"):
+        if not KeyName.parse(key).grad:
             continue
         leaves = jax.tree_util.tree_leaves(value)
         site = getattr(key, "site", ())
@@ -130,11 +131,12 @@ def _first(inters: dict) -> NonFinite | None:
             break
         if other_reached[0] < reached[0]:  # (a later iteration: reached first)
             key, index, reached = other, other_index, other_reached
-    forward = key[: -len(".grad")]
+    parsed = KeyName.parse(key)
+    forward = str(parsed.value())
     pick = lambda tree: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
     return NonFinite(
         key,
-        forward.rsplit("_", 1)[0],
+        parsed.name,
         getattr(key, "location", "<unknown>"),
         index,
         pick(inters[forward]) if forward in inters else None,

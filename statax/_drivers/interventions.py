@@ -10,13 +10,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._core.calling import _split_callable
+from .._core.flat_calls import split_callable
 from .._core.tracebacks import boundary
-from .._select import calling as _calling
+from .._select import applying as _applying
 from .._select.vocabulary import Modules, selections
 from . import nnx as _nnx
 from .planting import Add, Planting
-from .pull import _Pulled, call_pulled, pull, refuse_program_places
+from .pull import Pulled, call_pulled, pull, refuse_program_places
 
 __all__ = ["grad_inters", "plant"]
 
@@ -38,7 +38,7 @@ class _Planted(eqx.Module):
         planting = Planting.of(values)
         if planting.cotangents:
             refuse_program_places(self.at)
-        pulled = _Pulled(self.fn, None, True, None, False, planting, self.at, planting.cotangents)
+        pulled = Pulled(self.fn, None, True, None, False, planting, self.at, planting.cotangents)
         return call_pulled(pulled, args, kwargs, values)[0]
 
 
@@ -195,7 +195,7 @@ def _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs):
     `grad` cannot take as it takes arrays): split into their state, differentiated as a pure
     function of it, merged back inside; the caller's objects get the state the call left, as
     `pull` leaves it (see `_nnx`)."""
-    root, tree, call = _split_callable(fn)
+    root, tree, call = split_callable(fn)
     is_node = _nnx.node_test()
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
@@ -207,7 +207,7 @@ def _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs):
             "intermediates here."
         )
     objects = tuple(s for s in chosen if isinstance(s, Modules))
-    inner = _nnx.calling(_calling.calling(call, objects, objects=True, fn=fn))
+    inner = _nnx.calling(_applying.calling(call, objects, objects=True, fn=fn))
 
     def pure(packed, *args, **kwargs):
         out, state = inner(packed, *args, **kwargs)

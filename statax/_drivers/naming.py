@@ -14,11 +14,11 @@ import jax
 
 from .._core import reduce as _reduce
 from .._core.errors import KeyCollisionError, SelectionError
-from .._core.meta import ARRAY, StateMeta, keys_of
+from .._core.meta import ARRAY, KeyName, StateMeta, key_names
 from .._select import report as _report
 
 
-def _check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
+def check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
     """Raise where `only=` selects nothing, or names a mark the program does not have
     (`everything()`: the program's entry with every mark collected, for the message)."""
     names = {m.name for m in metas}
@@ -33,12 +33,19 @@ def _check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
     there = sorted({m.name for m in everything().metas})
     shown = repr(missing[0].pattern.pattern if isinstance(missing[0], _Pattern) else missing[0])
     hint = ""
-    if isinstance(missing[0], str) and re.fullmatch(r".+_\d+", missing[0]):
-        base = missing[0].rsplit("_", 1)[0]
+    parsed = KeyName.parse(missing[0]) if isinstance(missing[0], str) else None
+    if parsed is not None and (parsed.occurrence is not None or parsed.suffix):
+        base = parsed.name
         if base in there:
             hint = (
                 f" {missing[0]!r} is a key: only= takes names, as save_inter was given them "
-                f"({base!r})."
+                f"({base!r})"
+                + (
+                    f", and selects a mark with its cotangent: only={base!r} with "
+                    f"cotangents=True gives '{base}_0' and '{base}_0.grad'."
+                    if parsed.grad
+                    else "."
+                )
             )
     listed = _report.closest(str(missing[0]), there) if there else "none"
     raise SelectionError(
@@ -98,7 +105,7 @@ def unflatten_out(entry, arrays: Sequence) -> Any:
     return jax.tree_util.tree_unflatten(entry.out_treedef, leaves)
 
 
-def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) -> dict:
+def named(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) -> dict:
     """`{f"{name}_{n}": value}`, n counting each name's occurrences in program order; a
     reduced name is one entry, keyed by the name itself. With `ran`, a `"stack"` or
     `"collect"` name also gets `f"{name}.ran"`, its masks of occurrences that ran. The keys are
@@ -126,8 +133,8 @@ def _name(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(metas: tuple[StateMeta, ...]) -> dict:
-    """The `plans` of `_name` for `metas`, kept for the next trace of the same marks."""
+def plans_for(metas: tuple[StateMeta, ...]) -> dict:
+    """The `plans` of `named` for `metas`, kept for the next trace of the same marks."""
     return {}
 
 
@@ -137,7 +144,8 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
     sites: dict[str, StateMeta] = {}
     plan = []
     start = 0
-    for key, meta in zip(keys_of(metas), metas, strict=True):
+    for parsed, meta in zip(key_names(metas), metas, strict=True):
+        key = str(parsed)
         stop = start + meta.num_arrays
         kind = "value" if meta.reduce is None else "final"
         if (
@@ -149,9 +157,9 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
             kind = "array"  # the value is its one array
         entries = [(key, "flagged" if meta.flagged else kind)]
         if meta.flagged:
-            entries.append((key + ".ran", "flag"))
+            entries.append((str(parsed.ran()), "flag"))
         if ran and meta.reduce is not None and _reduce.stacked(meta):
-            entries.append((meta.name + ".ran", "ran"))
+            entries.append((str(KeyName(meta.name).ran()), "ran"))
         for name, kind in entries:
             if name in sites:
                 raise KeyCollisionError(name, sites[name], meta)
@@ -178,7 +186,7 @@ class _Pattern:
         return self.pattern.fullmatch(meta.name) is not None
 
 
-def _selection(only: Any) -> Callable[[StateMeta], bool] | None:
+def selection_of(only: Any) -> Callable[[StateMeta], bool] | None:
     """`only` as a hashable predicate on StateMeta (None: everything)."""
     if only is None:
         return None

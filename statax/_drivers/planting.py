@@ -14,7 +14,6 @@ work that only fed the replaced value.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,13 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.errors import PlantError
-from .._core.meta import ARRAY, StateMeta, keys_of, kind_str, kinds_str, unwrap
+from .._core.meta import ARRAY, KeyName, StateMeta, keys_of, kind_str, kinds_str, unwrap
 from .._core.primitive import INPUT, save_inter_p
 
 __all__ = ["Add", "Planting", "feed"]
 
 KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
-_OCCURRENCE = re.compile(r"(.*)_(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +54,9 @@ class Planting:
             if not isinstance(key, str):
                 raise PlantError(f"stx.plant: keys are strings as pull returns them, got {key!r}")
             candidates = {key}
-            base, grad = (key[: -len(".grad")], ".grad") if key.endswith(".grad") else (key, "")
-            match = _OCCURRENCE.fullmatch(base)
-            if match:  # (`"h_0.grad"`: the cotangent of occurrence 0 of `h`)
-                candidates.add(match.group(1) + grad)
+            parsed = KeyName.parse(key)
+            if parsed.occurrence is not None:  # (`"h_0.grad"`: the cotangent of `h`'s first)
+                candidates.add(parsed.name + parsed.suffix)
             names |= candidates
             if callable(spec):
                 for name in candidates:
@@ -71,7 +68,7 @@ class Planting:
     @property
     def cotangents(self) -> bool:
         """Whether a cotangent is planted (a key `"h_0.grad"`): then the marks tap theirs."""
-        return any(name.endswith(".grad") for name in self.names)
+        return any(KeyName.parse(name).grad for name in self.names)
 
     def hooks_of(self, name: str) -> tuple:
         return dict(self.hooks).get(name, ())
@@ -141,7 +138,7 @@ def feed(
                 for k, m in zip(keys_of(outs), outs, strict=True)
             )
             hint = ""
-            if str(key).endswith(".grad"):
+            if KeyName.parse(str(key)).grad:
                 hint = (
                     " A cotangent (`.grad`) is there only where the function differentiates "
                     "the mark (a jax.grad or value_and_grad inside it)."

@@ -18,9 +18,9 @@ from jax.extend import core as jex
 from .._core import context as _context
 from .._core import fastpaths as _fastpaths
 from .._core import staging as _staging
-from .._core.calling import _call_plain, _call_tree, _split_callable, flat_function
 from .._core.errors import SelectionError
 from .._core.exposers import mark, take
+from .._core.flat_calls import call_plain, call_tree, flat_function, split_callable
 from .._core.marks import selecting
 from .._core.meta import ARRAY, StateMeta
 from .._core.primitive import Collector, collecting
@@ -28,10 +28,10 @@ from .._core.registry import on_forget
 from .._core.rewrite import pull_collected, pull_staged
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
-from .._jax import params as _params
+from .._jax import primitive_params as _params
 from .._jax import primitives as _primitives
 from .._jax import tracing as _tracing
-from .._select import calling as _calling
+from .._select import applying as _applying
 from .._select import objects as _objects
 from .._select import places as _places
 from .._select import running as _running
@@ -39,16 +39,16 @@ from .._select import vocabulary as _vocabulary
 from . import nnx as _nnx
 from . import planting as _plant
 from .cache import (
-    _TRACED_PY_NUMBERS,
-    _is_array,
-    _traced_avals,
-    _traced_mask,
+    TRACED_PY_NUMBERS,
     arguments_key,
     cached,
+    is_array,
     lookup,
     store,
+    traced_avals,
+    traced_mask,
 )
-from .naming import _check_only, _name, _plans, _selection, unflatten_out
+from .naming import check_only, named, plans_for, selection_of, unflatten_out
 
 __all__ = ["pull"]
 
@@ -65,7 +65,7 @@ class _Entry(NamedTuple):
     in_avals: tuple
     plans: dict  # ran -> how the flat intermediates become the named dict
     call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
-    checked: list  # `[True]` once `only=` was checked against the marks (`_check_only`)
+    checked: list  # `[True]` once `only=` was checked against the marks (`check_only`)
 
 
 @functools.partial(
@@ -74,7 +74,7 @@ class _Entry(NamedTuple):
     meta_fields=["only", "enabled", "summarize", "ran", "planting", "at", "cotangents"],
 )
 @dataclasses.dataclass(frozen=True)
-class _Pulled:
+class Pulled:
     """What `pull` returns: a pytree whose leaves are `fn`'s (as an `eqx.Module`'s would be),
     with plain attributes, which a call reads without `eqx.Module`'s per-access work."""
 
@@ -109,7 +109,7 @@ class _Pulled:
 # a bound-method module, which costs more than the rest of a cached call.
 
 
-def call_pulled(pulled: _Pulled, args, kwargs, values=None):
+def call_pulled(pulled: Pulled, args, kwargs, values=None):
     """`pulled(*args, **kwargs)`: `(out, intermediates)`; for `plant`, with `values` planted."""
     if pulled.at:  # the objects of an `of=` model mark their calls before anything is flattened
         with (
@@ -120,16 +120,16 @@ def call_pulled(pulled: _Pulled, args, kwargs, values=None):
     return _call_pulled(pulled, args, kwargs, values)
 
 
-def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
+def _call_pulled(pulled: Pulled, args, kwargs, values=None):
     fn = pulled.fn
     if not pulled.enabled:
         return fn(*args, **kwargs), {}
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
-    root, tree, call = _split_callable(fn)
+    root, tree, call = split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
     at, in_program = pulled.at, ()
     if at:  # marks by object where the objects are live (in NNX's merge), in the program around
-        call = _calling.calling(call, at, objects=True, fn=fn)
+        call = _applying.calling(call, at, objects=True, fn=fn)
         # Places in the program: put into what `pull` traces; where something is planted, or
         # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
         planted = values is not None or pulled.planting is not None or _context.PLANTING.value
@@ -143,7 +143,7 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
         and values is None
         and pulled.summarize is None
         and pulled.planting is None
-        and all(map(_is_array, leaves))
+        and all(map(is_array, leaves))
     )
     if eager:
         compiled = lookup(root, (pulled.only, pulled.ran, pulled.at), _COMPILED)
@@ -157,11 +157,11 @@ def _call_pulled(pulled: _Pulled, args, kwargs, values=None):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
         leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
-        call = _calling.calling(_nnx.calling(call), at, objects=False)
+        call = _applying.calling(_nnx.calling(call), at, objects=False)
         (out, state), inters = _run(pulled, root, call, leaves, treedef, values, False, in_program)
         _nnx.update(nodes, state)
         return out, inters
-    call = _calling.calling(call, at, objects=False)
+    call = _applying.calling(call, at, objects=False)
     return _run(pulled, root, call, leaves, treedef, values, eager, in_program)
 
 
@@ -240,13 +240,13 @@ def _evaluation(root_ref, plain: bool, only, ran, at) -> Callable:
         _CALL.traced = True
         arguments = getattr(_CALL, "arguments", None)  # the call's own, not their tracers
         leaves = jax.tree_util.tree_leaves(arguments, _nnx.node_test())
-        if arguments is None or not all(map(_is_array, leaves)):
+        if arguments is None or not all(map(is_array, leaves)):
             raise _NotCompiled
         root = root_ref()
         if plain:
-            call = functools.partial(_call_plain, root)
-        else:  # (see `_split_callable`)
-            call = _call_tree if isinstance(root, type) else root
+            call = functools.partial(call_plain, root)
+        else:  # (see `split_callable`)
+            call = call_tree if isinstance(root, type) else root
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
         with _context.RAN_MASKS(ran):
             entry, dynamic = _entry(root, call, leaves, treedef, only, at, at)
@@ -308,10 +308,10 @@ def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
     function is traced straight into it, as it would be unpulled. Its marks are handed over as
     they are made, and the equations that hold marks further in (a `jit`, a loop) are
     rewritten where they stand."""
-    if any(isinstance(x, _TRACED_PY_NUMBERS) for x in leaves):  # traced, as `_trace` does
-        traced = _traced_mask(leaves, treedef)
+    if any(isinstance(x, TRACED_PY_NUMBERS) for x in leaves):  # traced, as `_trace` does
+        traced = traced_mask(leaves, treedef)
         leaves = [
-            jnp.asarray(x) if t and isinstance(x, _TRACED_PY_NUMBERS) else x
+            jnp.asarray(x) if t and isinstance(x, TRACED_PY_NUMBERS) else x
             for x, t in zip(leaves, traced, strict=True)
         ]
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -335,12 +335,12 @@ def _inline(trace, call, leaves, treedef, only, ran, in_program=()):
         new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if only is not None:
         everything = lambda: _trace(  # noqa: E731
-            None, call, leaves, treedef, *_traced_avals(leaves, treedef), in_program
+            None, call, leaves, treedef, *traced_avals(leaves, treedef), in_program
         )
-        _check_only(only, metas, everything)
+        check_only(only, metas, everything)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
         out = jax.tree_util.tree_unflatten(out_def, new_leaves)
-    return out, _name(metas, flat, ran, _plans(metas))
+    return out, named(metas, flat, ran, plans_for(metas))
 
 
 def _entry(root, call, leaves, treedef, only, at=(), in_program=()) -> tuple[_Entry, list]:
@@ -353,7 +353,7 @@ def _entry(root, call, leaves, treedef, only, at=(), in_program=()) -> tuple[_En
         everything = lambda: _trace(  # noqa: E731
             root, call, leaves, treedef, traced, None, key[-1], in_program
         )
-        _check_only(only, entry.metas, everything)
+        check_only(only, entry.metas, everything)
         entry.checked.append(True)
     return entry, dynamic
 
@@ -374,7 +374,7 @@ def _evaluate(
         for i, dtype in entry.literals:
             flat[i] = jnp.asarray(flat[i], dtype)
     n = entry.num_out
-    inters = _name(entry.metas, flat[n:], ran, entry.plans)
+    inters = named(entry.metas, flat[n:], ran, entry.plans)
     return unflatten_out(entry, flat[:n]), inters
 
 
@@ -427,7 +427,7 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _
 
 def _name_of(root) -> str:
     """`"pull(f)"`, the name of the `jit` equation that calls the rewritten `f` (`root`, as
-    `_split_callable` gives it: a module's class, a method's function)."""
+    `split_callable` gives it: a module's class, a method's function)."""
     return f"pull({getattr(root, '__name__', type(root).__name__)})"
 
 
@@ -504,8 +504,8 @@ def pull(
     at = _vocabulary.selections(at)
     if cotangents:
         refuse_program_places(at)
-    return _Pulled(
-        fn, _selection(only), bool(enabled), summarize, bool(ran), None, at, bool(cotangents)
+    return Pulled(
+        fn, selection_of(only), bool(enabled), summarize, bool(ran), None, at, bool(cotangents)
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._core import staging as _staging
 from .._core.errors import SelectionError
+from .._core.meta import RAN, KeyName
 from .._core.tracebacks import boundary
 from .._select import keras as _keras
 from .._select import linen as _linen
@@ -25,7 +26,7 @@ from .._select import objects as _objects
 from .._select import report as _report
 from .._select import running as _running
 from .._select import vocabulary as _vocabulary
-from .._select.where import _is_transform, _location, _short, _stack_of, walk_counted
+from .._select.where import is_transform, location_of, short_place, stack_of, walk_counted
 from .pull import pull
 
 __all__ = ["Site", "Sites", "sites"]
@@ -209,16 +210,14 @@ def _itemsize(dtype) -> int:
         return int(getattr(dtype, "itemsize", 0))
 
 
-_SUFFIX = re.compile(r"_\d+$")
-
-
 def _grouped(kind: str, shapes: dict, skip: set, per_call: dict) -> list[Site]:
     """One site per name among `shapes`' keys (`name_0`, `name_1`, ...), but those in `skip`."""
     rows: dict[str, list] = {}
     for key, value in shapes.items():
-        if key in skip or key.endswith(".ran"):
+        parsed = KeyName.parse(key)
+        if key in skip or parsed.suffix == RAN:
             continue
-        name = _SUFFIX.sub("", key) if key.reduce is None else str(key)
+        name = parsed.name if key.reduce is None else str(key)
         rows.setdefault(name, []).append(value)
     out = []
     for name, values in rows.items():
@@ -261,8 +260,8 @@ def _map(fn, args, kwargs) -> Sites:
         if eqn.primitive.name == "save_inter":
             per_call.setdefault(eqn.params["meta"].name, trips)
         names = []
-        for element in _stack_of(stack, eqn):
-            if _is_transform(element):
+        for element in stack_of(stack, eqn):
+            if is_transform(element):
                 break  # (a scope inside a transformation applied in the function: no site)
             names.append(element.name)
             per_call.setdefault("/".join(names), trips)
@@ -282,7 +281,7 @@ def _map(fn, args, kwargs) -> Sites:
         found = _shapes(fn, args, kwargs, modules, tolerate=True)
         rows += _ordered(_grouped("module", found, taken, per_call), list(called))
     rows += _equations("primitive", everything, lambda eqn: eqn.primitive.name, there.primitives)
-    rows += _equations("line", everything, lambda eqn: _short_place(_location(eqn)), None)
+    rows += _equations("line", everything, lambda eqn: _short_place(location_of(eqn)), None)
 
     def bytes_of(at: tuple) -> int:
         return _nbytes(_shapes(fn, args, kwargs, at))
@@ -307,7 +306,7 @@ def _method_named(path: str, ran) -> bool:
 def _transformed(stack: tuple, eqn) -> bool:
     """Whether `eqn` runs under a transformation applied inside the function (a `vmap`, a
     `jvp`): no selection reaches it there, only a module selection around it."""
-    return any(_is_transform(e) for e in _stack_of(stack, eqn))
+    return any(is_transform(e) for e in stack_of(stack, eqn))
 
 
 def _drops(eqn) -> bool:
@@ -321,7 +320,7 @@ def _ordered(rows: list[Site], order: list[str]) -> list[Site]:
 
 
 def _short_place(location: str) -> str:
-    return location if location == "<unknown>" else _short(location)
+    return location if location == "<unknown>" else short_place(location)
 
 
 def _selectable(fn, args, kwargs, make, places: list[str]) -> dict:

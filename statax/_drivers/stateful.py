@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from .._core import calling as _calling
 from .._core import context as _context
+from .._core import flat_calls as _flat_calls
 from .._core.errors import StateError
 from .._core.meta import StateMeta, number_as_array
-from .._core.state import Given, _split
-from .._core.thread_state import _Log, _names, _Slot
+from .._core.state import Given, split_state
+from .._core.thread_state import Log, Slot, state_names
 from .._core.thread_state import run as _run
 from .._core.tracebacks import boundary
 from .._jax import jaxprs as _jaxprs
@@ -91,11 +91,11 @@ def _call(fn, output_unchanged, args, kwargs, state):
         # A Python number is traced, as `jax.jit` traces a Python number argument: weakly
         # typed, so that it takes the type of what it meets, in every construct.
         value = jax.tree_util.tree_map(number_as_array, state[name])
-        meta, arrays = _split(value, name, "state=")
+        meta, arrays = split_state(value, name, "state=")
         specs.append((name, meta, tuple(jax.typeof(x) for x in arrays)))
         state_leaves.extend(arrays)
     given = Given(tuple(specs))
-    root, tree, call = _calling._split_callable(fn)
+    root, tree, call = _flat_calls.split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
     traced, dynamic, key = _cache.arguments_key(leaves, treedef)
     key = (output_unchanged, given, *key)
@@ -121,11 +121,11 @@ def _call(fn, output_unchanged, args, kwargs, state):
 
 def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unchanged) -> _Entry:
     out_info: list = []
-    flat_fn = _calling.flat_function(call, leaves, treedef, traced, out_info)
+    flat_fn = _flat_calls.flat_function(call, leaves, treedef, traced, out_info)
     dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
     with _context.STATEFUL(given):  # (Python functions a primitive runs are traced in it too)
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        names = _names(closed.jaxpr)
+        names = state_names(closed.jaxpr)
     unused = [n for n, _, _ in given.specs if n not in names.reads and n not in names.writes]
     if unused:
         used = sorted({*names.reads, *names.writes})
@@ -137,8 +137,8 @@ def _trace(call, leaves, treedef, traced, given: Given, state_leaves, output_unc
 
     def threaded(*flat):
         args, rest = flat[: len(dynamic)], iter(flat[len(dynamic) :])
-        env = {n: _Slot(meta, tuple(next(rest) for _ in avals)) for n, meta, avals in given.specs}
-        log = _Log()
+        env = {n: Slot(meta, tuple(next(rest) for _ in avals)) for n, meta, avals in given.specs}
+        log = Log()
         outs = _run(closed.jaxpr, closed.consts, args, env, log)
         names_out = [n for n in log.set_order if n in env]
         if output_unchanged:

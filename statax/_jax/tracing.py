@@ -86,19 +86,19 @@ class _TraceContext:
         return core.trace_ctx.trace
 
 
-# The trace that a `bind` now goes to, as `_TRACE.value`: the state that `core.trace_ctx.trace`
+# The trace that a `bind` now goes to, as `TRACE.value`: the state that `core.trace_ctx.trace`
 # reads (JAX 0.10 -- 0.12), read without the property, since a mark reads it every time.
-_TRACE = getattr(core, "trace_state_strong_ref", None) or _TraceContext()
+TRACE = getattr(core, "trace_state_strong_ref", None) or _TraceContext()
 
 
 def current_trace() -> Any:
     """The trace that a `bind` now goes to (`jax._src.core.trace_ctx.trace` in JAX 0.8 -- 0.12)."""
-    return _TRACE.value
+    return TRACE.value
 
 
 def eager() -> bool:
     """Whether a `bind` now runs at once (no trace in force: `EvalTrace`, JAX 0.8 -- 0.12)."""
-    return type(_TRACE.value) is core.EvalTrace
+    return type(TRACE.value) is core.EvalTrace
 
 
 def batching_rule(prim: jex.Primitive) -> Callable | None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core.meta import RAN, KeyName
 from .._drivers.naming import Key, origins
 from .stats import path_name, stats
 
@@ -79,9 +80,10 @@ def describe(inters: dict[str, Any]) -> Description:
     where = origins(inters)
     rows = []
     for key, value in inters.items():
-        if key.endswith(".ran") and key[: -len(".ran")] in inters:
+        parsed = KeyName.parse(key)
+        if parsed.suffix == RAN and str(parsed.value()) in inters:
             continue  # said on its value's rows (`pull(fn, ran=True)`)
-        ran = _ran_note(inters.get(key + ".ran"))
+        ran = _ran_note(inters.get(str(parsed.ran())))
         for path, leaf in jax.tree_util.tree_leaves_with_path(value):
             name = key + ("." + path_name(path) if path else "")
             if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.size(leaf):

@@ -18,7 +18,7 @@ from jax.extend import source_info_util as source_info_api
 
 from .running import mark_selected, marking
 from .vocabulary import Scopes
-from .where import _is_transform
+from .where import is_transform
 
 __all__ = ["with_keras"]
 
@@ -37,7 +37,7 @@ def with_keras(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
     def __call__(self, *args, **kwargs):  # noqa: N807
         out = original(self, *args, **kwargs)
         stack = source_info_api.current_name_stack().stack
-        names = [e.name for e in stack if not _is_transform(e)] + [self.name]
+        names = [e.name for e in stack if not is_transform(e)] + [self.name]
         return mark_selected(chosen, names, out, marked)
 
     layer.__call__ = __call__

@@ -21,7 +21,7 @@ from .._core.errors import SelectionError
 from .._core.meta import StateMeta
 from .._core.primitive import save_inter
 from .report import closest
-from .vocabulary import Modules, Selection, _describe
+from .vocabulary import Modules, Selection, describe_selections
 
 __all__ = [
     "calls_checked",
@@ -85,7 +85,7 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                 if not _by_class(obj, place):
                     if place is None or place[0] is None:
                         raise SelectionError(
-                            f"{_describe((selection,))} selects {name!r}, a "
+                            f"{describe_selections((selection,))} selects {name!r}, a "
                             f"{type(obj).__name__} that is the model itself or was given by a "
                             "function: a callable that is not an object of a class of its own "
                             "is marked where it is held. Select it by its path in the model."
@@ -193,7 +193,7 @@ def _is_marking(x) -> bool:
     return getattr(type(x), "_statax_marks", None) is not None
 
 
-# The names of the selected objects called while a function is traced (`_with_modules`), and
+# The names of the selected objects called while a function is traced (`with_modules`), and
 # those of the ones it did not call, for `pull` to check against the marks it found
 # (`calls_checked`).
 _CALLED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -220,7 +220,8 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
     if missing:
         name, chosen = missing[0]
         raise SelectionError(
-            f"{_describe(chosen)} selects {name!r}, which the function did not call while pull "
+            f"{describe_selections(chosen)} selects {name!r}, which the function did not call "
+            "while pull "
             "traced it, and whose marks are not in what it traced. If it is called from code "
             "that was traced before (a jax.jit of a function that closes over the model), pass "
             "the model to that function as an argument, or select a submodule that runs."
@@ -260,7 +261,7 @@ def module_paths(root, limit: int = 4096) -> list[str]:
     return paths
 
 
-def _with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
+def with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
     with (
         calls_recorded() as called,
         objects_marked(chosen) as given,

@@ -16,18 +16,18 @@ from jax.extend import core as jex
 
 from .._core import context as _context
 from .._core import staging as _staging
-from .._core.calling import flat_function
 from .._core.errors import SelectionError
 from .._core.evaluator import bind_equation, evaluate, keep, rewrite
 from .._core.exposers import map_jaxprs
+from .._core.flat_calls import flat_function
 from .._core.meta import ARRAY, StateMeta
-from .._core.primitive import _LEAF, _SAVE_EFFECTS, COLLECTING, mark_as, save_inter_p
+from .._core.primitive import COLLECTING, LEAF, SAVE_EFFECTS, mark_as, save_inter_p
 from .._core.registry import flags_for
 from .._jax import jaxprs as _jaxprs
-from .report import _check_found
+from .report import check_found
 from .running import marks_found, run_marked
-from .vocabulary import Primitives, Scopes, Selection, _describe
-from .where import _holds_jaxprs, _is_transform, _location, _stack_of, _walk
+from .vocabulary import Primitives, Scopes, Selection, describe_selections
+from .where import holds_jaxprs, is_transform, location_of, stack_of, walk
 
 __all__ = ["collected", "collected_staged"]
 
@@ -35,7 +35,7 @@ __all__ = ["collected", "collected_staged"]
 # ---- places in the program --------------------------------------------------------------------
 
 
-def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
+def with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
     dynamic = [eqx.is_array(x) for x in leaves]
     out_info: list = []
@@ -45,7 +45,7 @@ def _with_places(call, chosen: tuple[Selection, ...], tree, *args, **kwargs):
         closed = _jaxprs.trace(flat, [jax.typeof(x) for x in arrays], name="select")
     eqns = (closed.jaxpr if _jaxprs.wraps_jaxpr(closed) else closed).eqns
     chosen = marks_found(after_marking(), eqns)
-    _check_found(eqns, chosen)
+    check_found(eqns, chosen)
     outs = iter(_evaluate(closed.jaxpr, closed.consts, arrays, (), chosen))
     out_def, static = out_info[0]
     full = [next(outs) if s is None else s[0] for s in static]
@@ -112,9 +112,9 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
         if isinstance(selection, Primitives):
             for i, eqn in enumerate(eqns):
                 if eqn.primitive.name in selection.names:
-                    _refuse_transformed(selection, eqn, _stack_of(stack, eqn))
+                    _refuse_transformed(selection, eqn, stack_of(stack, eqn))
                     # (its outputs, `None`: any it drops are given variables where marked)
-                    entry = (eqn.primitive.name, None, _location(eqn), selection.reduce)
+                    entry = (eqn.primitive.name, None, location_of(eqn), selection.reduce)
                     after.setdefault(i, []).append(entry)
             outside.append(set(range(len(eqns))))
             continue
@@ -129,24 +129,24 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
             if isinstance(selection, Scopes) and _context.COTANGENTS.value:
                 _refuse_cotangents(selection, name, eqns[end])
             if transformed:
-                _refuse_transformed(selection, eqns[end], _stack_of(stack, eqns[end]))
+                _refuse_transformed(selection, eqns[end], stack_of(stack, eqns[end]))
                 # (a line's region: the transformation may be inside it, or around it)
-            entry = (name, leaving, _location(eqns[end]), selection.reduce)
+            entry = (name, leaving, location_of(eqns[end]), selection.reduce)
             after.setdefault(end, []).append(entry)
     for entries in after.values():  # an inner scope's mark before an outer one's, at one place
         entries.sort(key=lambda e: -e[0].count("/"))
     inside = {}
     for i, eqn in enumerate(eqns):
-        if not _holds_jaxprs(eqn.params):
+        if not holds_jaxprs(eqn.params):
             continue
         subs = list(_jaxprs.jaxprs_in_params(eqn.params))
         going_on = tuple(s for s, out in zip(chosen, outside, strict=True) if i in out)
-        inner_stack = _stack_of(stack, eqn)
+        inner_stack = stack_of(stack, eqn)
         if going_on and any(_matches_in(sub, inner_stack, going_on) for sub in subs):
             if not flags_for(eqn).selectable:  # (declared where its handler is registered)
                 raise SelectionError(
-                    f"{_describe(going_on)} selects values inside `{eqn.primitive}` (at "
-                    f"{_location(eqn)}), which a selection does not reach into. Select the "
+                    f"{describe_selections(going_on)} selects values inside `{eqn.primitive}` (at "
+                    f"{location_of(eqn)}), which a selection does not reach into. Select the "
                     "values around it, or mark them by hand with stx.save_inter."
                 )
             inside[i] = (inner_stack, going_on)
@@ -170,11 +170,11 @@ def _regions(selection, stack: tuple, eqns: Sequence) -> list:
 
 
 def _region(selection, stack: tuple, eqn) -> tuple[str, bool] | None:
-    full = _stack_of(stack, eqn)
+    full = stack_of(stack, eqn)
     if isinstance(selection, Scopes):
         return selection.region(full)
     name = selection.region(eqn)
-    return None if name is None else (name, any(_is_transform(e) for e in full))
+    return None if name is None else (name, any(is_transform(e) for e in full))
 
 
 def _runs(regions: list) -> Iterator[tuple[int, int]]:
@@ -194,7 +194,7 @@ def _matches_in(jaxpr, stack: tuple, chosen: tuple) -> bool:
         eqn.primitive.name in selection.names
         if isinstance(selection, Primitives)
         else _region(selection, outer, eqn) is not None
-        for outer, eqn in _walk(jaxpr, stack)
+        for outer, eqn in walk(jaxpr, stack)
         for selection in chosen
     )
 
@@ -203,7 +203,7 @@ def _refuse_cotangents(selection, name: str, eqn) -> None:
     raise SelectionError(
         f"{selection} with cotangents (pull's cotangents=True, or a '.grad' planted): the "
         f"scope {name!r} (at "
-        f"{_location(eqn)}) is a region of the program, found once the function and its "
+        f"{location_of(eqn)}) is a region of the program, found once the function and its "
         "derivative are traced: no mark is there while the derivative is made, so no cotangent "
         "can be read at a scope. Mark the value with stx.save_inter, or select the module that "
         "computes it (stx.modules; the scopes of Flax Linen and Keras modules are marked as "
@@ -212,11 +212,11 @@ def _refuse_cotangents(selection, name: str, eqn) -> None:
 
 
 def _refuse_transformed(selection, eqn, stack: tuple) -> None:
-    transforms = [e.name for e in stack if _is_transform(e)]
+    transforms = [e.name for e in stack if is_transform(e)]
     if not transforms:
         return
     raise SelectionError(
-        f"{selection} selects a value (at {_location(eqn)}) that the function computes under "
+        f"{selection} selects a value (at {location_of(eqn)}) that the function computes under "
         f"{' of '.join(f'`{t}`' for t in transforms)}, applied inside it: there the value is "
         "already transformed (batched along an axis a mark would not put first, or beside its "
         "tangent), so no mark at that place would see it. Where you apply the transformation, "
@@ -287,7 +287,7 @@ def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, d
     """`(top, rewritten)`: the marks at this level, `(position, meta, variables)` (`position`:
     how many equations precede them), and the equations that hold others, by index."""
     chosen = marks_found(chosen, eqns)
-    _check_found(eqns, chosen)
+    check_found(eqns, chosen)
     plan = _plan(eqns, returned, (), chosen)
     selection = _context.SELECTION.value  # `pull(fn, only=...)`: the marks it collects
     top = []
@@ -301,7 +301,8 @@ def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, d
         _staging.dropped(v) for _, _, vs in top for v in vs
     ):  # an output nothing reads: no value
         raise SelectionError(
-            f"{_describe(chosen)} selects an output of a primitive that the program drops; "
+            f"{describe_selections(chosen)} selects an output of a primitive that the program "
+            "drops; "
             "select the values around it."
         )
     rewritten = {i: _with_marks_inside(eqns[i], inside) for i, inside in plan.inside.items()}
@@ -311,7 +312,7 @@ def _collect(eqns: Sequence, returned: Sequence, chosen: tuple) -> tuple[list, d
 @functools.lru_cache(maxsize=4096)
 def _meta_of(name: str, n: int, location: str, reduce) -> StateMeta:
     """The meta of a selected place's mark (made once: metas are immutable)."""
-    treedef = _LEAF if n == 1 else jax.tree_util.tree_structure(tuple(range(n)))
+    treedef = LEAF if n == 1 else jax.tree_util.tree_structure(tuple(range(n)))
     return StateMeta(name, treedef, (ARRAY,) * n, location, reduce=reduce)
 
 
@@ -320,7 +321,7 @@ def _with_marks_inside(eqn, inside: tuple):
     params = map_jaxprs(eqn.params, lambda sub: _rebuilt(sub, *inside))
     subs = _jaxprs.jaxprs_in_params(params)
     if any(_context.SAVE_EFFECT in sub.effects for sub in subs):
-        return eqn.replace(params=params, effects=eqn.effects | _SAVE_EFFECTS)
+        return eqn.replace(params=params, effects=eqn.effects | SAVE_EFFECTS)
     return eqn.replace(params=params)
 
 
@@ -366,7 +367,7 @@ def _inserted(jaxpr, stack: tuple, chosen: tuple):
                 continue  # not collected: no mark at all
             outs = [jex.Var(v.aval) for v in values]
             params = {"meta": meta, "status": COLLECTING}
-            emit(_jaxprs.new_equation(values, outs, save_inter_p, params, _SAVE_EFFECTS))
+            emit(_jaxprs.new_equation(values, outs, save_inter_p, params, SAVE_EFFECTS))
             env.update(zip(variables, outs, strict=True))
 
     outvars = rewrite(jaxpr, step, after)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from .._core.errors import SelectionError
 from .vocabulary import Lines, Primitives, Scopes
-from .where import _is_transform, _location, _scope_region, _short, _stack_of, _walk_eqns
+from .where import is_transform, location_of, scope_region, short_place, stack_of, walk_eqns
 
 __all__ = ["Places", "closest", "places_in"]
 
@@ -25,7 +25,7 @@ def _wanted(selection) -> list:
     return list(selection.places)
 
 
-def _check_found(eqns: Sequence, chosen: tuple) -> None:
+def check_found(eqns: Sequence, chosen: tuple) -> None:
     """Raise where a pattern, primitive or place of `chosen` matches nothing in `eqns` (at
     any depth)."""
     found: set = {  # (a scope marked as its module ran, which may make no equations)
@@ -36,7 +36,7 @@ def _check_found(eqns: Sequence, chosen: tuple) -> None:
         if any(fnmatch.fnmatchcase(path, p) for path in s.marked)
     }
     wanted = sum(len(_wanted(s)) for s in chosen)
-    for stack, eqn in _walk_eqns(eqns, ()):
+    for stack, eqn in walk_eqns(eqns, ()):
         if len(found) == wanted:
             return
         for selection in chosen:
@@ -44,9 +44,9 @@ def _check_found(eqns: Sequence, chosen: tuple) -> None:
                 if eqn.primitive.name in selection.names:
                     found.add((selection, eqn.primitive.name))
             elif isinstance(selection, Scopes):
-                full = _stack_of(stack, eqn)
+                full = stack_of(stack, eqn)
                 for pattern in selection.patterns:
-                    if _scope_region((pattern,), full) is not None:
+                    if scope_region((pattern,), full) is not None:
                         found.add((selection, pattern))
             else:
                 for file, line in selection.places:
@@ -67,7 +67,7 @@ def _nothing_found(selection, wanted, eqns) -> None:
     else:
         wanted = f"{wanted[0]}:{wanted[1]}"
         what, kind = f"line {wanted!r}", "lines (where each equation was made)"
-        options = [_short(line) for line in there.lines]
+        options = [short_place(line) for line in there.lines]
     listed = closest(wanted, sorted(set(options))) if options else "none"
     raise SelectionError(
         f"{selection}: no {what} in the program. The {kind} there, closest first: {listed}."
@@ -89,11 +89,11 @@ def places_in(eqns: Sequence) -> Places:
     scopes: dict[str, None] = {}
     primitives: dict[str, None] = {}
     lines: dict[str, None] = {}
-    for stack, eqn in _walk_eqns(eqns, ()):
-        names = [e.name for e in _stack_of(stack, eqn) if not _is_transform(e)]
+    for stack, eqn in walk_eqns(eqns, ()):
+        names = [e.name for e in stack_of(stack, eqn) if not is_transform(e)]
         scopes.update(dict.fromkeys("/".join(names[: k + 1]) for k in range(len(names))))
         primitives[eqn.primitive.name] = None
-        lines[_location(eqn)] = None
+        lines[location_of(eqn)] = None
     lines.pop("<unknown>", None)
     return Places(list(scopes), list(primitives), list(lines))
 

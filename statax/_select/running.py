@@ -15,7 +15,7 @@ from .._core.context import within
 from .._core.marks import find_saves_in
 from .._core.primitive import mark_as
 from .vocabulary import Scopes, Selection
-from .where import _outside_libraries, outermost_match
+from .where import outermost_match, outside_libraries
 
 __all__ = ["mark_selected", "marking", "marks_found", "modules_recorded", "run_marked"]
 
@@ -41,7 +41,7 @@ def mark_selected(chosen: tuple[Scopes, ...], names: list[str], out, marked: set
     for selection in chosen:
         if outermost_match(selection.patterns, names) == path:
             marked.add(path)
-            return mark_as(out, path, _outside_libraries(), selection.reduce)
+            return mark_as(out, path, outside_libraries(), selection.reduce)
     return out
 
 

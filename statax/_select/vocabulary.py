@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .where import _same_file, _scope_region
+from .where import same_file, scope_region
 
 __all__ = ["Selection", "lines", "modules", "primitives", "scopes", "selections"]
 
@@ -31,7 +31,7 @@ class Scopes(Selection):
         """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements)
         that one of the patterns matches, and whether a transformation encloses it; `None`
         also for one marked already."""
-        region = _scope_region(self.patterns, stack)
+        region = scope_region(self.patterns, stack)
         return None if region is None or region[0] in self.marked else region
 
     def __str__(self) -> str:
@@ -50,7 +50,7 @@ class Lines(Selection):
             return None
         frames = [(f.file_name, f.line_num) for f in traceback.frames]
         for file, line in self.places:
-            if any(n == line and _same_file(f, file) for f, n in frames):
+            if any(n == line and same_file(f, file) for f, n in frames):
                 return f"{file}:{line}"
         return None
 
@@ -203,5 +203,5 @@ def selections(at: Any) -> tuple[Selection, ...]:
     )
 
 
-def _describe(chosen: Sequence[Selection]) -> str:
+def describe_selections(chosen: Sequence[Selection]) -> str:
     return " and ".join(map(str, chosen))

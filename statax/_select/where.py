@@ -19,14 +19,14 @@ from .._core.tracebacks import place
 from .._jax import jaxprs as _jaxprs
 
 
-def _stack_of(stack: tuple, eqn) -> tuple:
+def stack_of(stack: tuple, eqn) -> tuple:
     return (*stack, *eqn.source_info.name_stack.stack)
 
 
 _JAXPR_TYPES = (jex.Jaxpr, jex.ClosedJaxpr)
 
 
-def _holds_jaxprs(params) -> bool:
+def holds_jaxprs(params) -> bool:
     """Whether an equation's params hold a jaxpr (alone or in a tuple, or in a named tuple, as
     `custom_linear_solve` keeps its functions): `jaxprs_in_params`'s test, without its
     generator."""
@@ -38,21 +38,21 @@ def _holds_jaxprs(params) -> bool:
     return False
 
 
-def _is_transform(element) -> bool:
+def is_transform(element) -> bool:
     """Whether a name stack's element is a transformation (`vmap`, `jvp`, `transpose`) rather
     than a scope (`jax._src.source_info_util.Transform` and `Scope`, JAX 0.8 -- 0.12)."""
     return type(element).__name__ == "Transform"
 
 
 @functools.lru_cache(maxsize=4096)
-def _scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] | None:
+def scope_region(patterns: tuple[str, ...], stack: tuple) -> tuple[str, bool] | None:
     """`(path, transformed)` of the outermost scope of `stack` (a name stack's elements) that
     one of `patterns` matches, and whether a transformation encloses it; else `None`."""
     names: list[str] = []
     enclosed: list[bool] = []  # per name: whether a transformation comes before it
     transformed = False
     for element in stack:
-        if _is_transform(element):
+        if is_transform(element):
             transformed = True
         else:
             names.append(element.name)
@@ -76,11 +76,11 @@ def _outermost(patterns: tuple[str, ...], names: list[str]) -> int | None:
     return None
 
 
-def _same_file(file_name: str, file: str) -> bool:
+def same_file(file_name: str, file: str) -> bool:
     return file_name == file or file_name.endswith("/" + file.lstrip("/"))
 
 
-def _location(eqn) -> str:
+def location_of(eqn) -> str:
     """`"file:line"` of the user's code that made `eqn` (kept per traceback's frames: a program
     traced again makes its equations at the same places)."""
     traceback = eqn.source_info.traceback
@@ -100,7 +100,7 @@ def _location(eqn) -> str:
 _LOCATIONS: dict = {}
 
 
-def _walk_eqns(eqns: Sequence, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+def walk_eqns(eqns: Sequence, stack: tuple) -> Iterator[tuple[tuple, Any]]:
     for stack_, eqn, _ in walk_counted(eqns, stack, None):
         yield stack_, eqn
 
@@ -119,15 +119,15 @@ def walk_counted(
                 count = trips_for(eqn)
                 inner = None if count is None else trips * count
             sub = sub.jaxpr if _jaxprs.wraps_jaxpr(sub) else sub
-            yield from walk_counted(sub.eqns, _stack_of(stack, eqn), inner)
+            yield from walk_counted(sub.eqns, stack_of(stack, eqn), inner)
 
 
-def _walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
+def walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
     jaxpr = jaxpr.jaxpr if _jaxprs.wraps_jaxpr(jaxpr) else jaxpr
-    yield from _walk_eqns(jaxpr.eqns, stack)
+    yield from walk_eqns(jaxpr.eqns, stack)
 
 
-def _short(location: str) -> str:
+def short_place(location: str) -> str:
     file, _, line = location.rpartition(":")
     return f"{file.rsplit('/', 1)[-1]}:{line}"
 
@@ -144,7 +144,7 @@ _LIBRARIES = (
 )
 
 
-def _outside_libraries() -> str:
+def outside_libraries() -> str:
     """`"file:line"` of the innermost frame outside statax, JAX and the model libraries."""
     frame = sys._getframe(2)
     while frame is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):

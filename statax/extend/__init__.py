@@ -62,7 +62,7 @@ from .._jax.jaxprs import bind as bind
 from .._jax.jaxprs import dce as dce
 from .._jax.jaxprs import trace as trace
 from .._jax.jaxprs import wraps_jaxpr as wraps_jaxpr
-from .._jax.params import vary as vary
+from .._jax.primitive_params import vary as vary
 from .._jax.primitives import HI_PRIMITIVE as HI_PRIMITIVE
 from .._jax.primitives import JIT_PRIMITIVE as JIT_PRIMITIVE
 from .._jax.primitives import REMAT_PRIMITIVE as REMAT_PRIMITIVE

@@ -14,24 +14,24 @@ import equinox as eqx
 import jax
 
 
-def _split_callable(fn: Callable) -> tuple[Any, Any, Callable]:
+def split_callable(fn: Callable) -> tuple[Any, Any, Callable]:
     """`(weak_root, tree, call)` such that `fn(*args, **kwargs)` is `call(tree, *args, **kwargs)`.
 
     The cache holds `weak_root` weakly; `tree` is flattened with the arguments, so the arrays of
     an `eqx.Module` (or of a bound method's object) are traced, not baked in.
     """
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(fn)):
-        return type(fn), fn, _call_tree
+        return type(fn), fn, call_tree
     if inspect.ismethod(fn):
         return fn.__func__, fn.__self__, fn.__func__
-    return fn, None, functools.partial(_call_plain, fn)
+    return fn, None, functools.partial(call_plain, fn)
 
 
-def _call_plain(fn, _tree, *args, **kwargs):
+def call_plain(fn, _tree, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _call_tree(tree, *args, **kwargs):
+def call_tree(tree, *args, **kwargs):
     return tree(*args, **kwargs)
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from .keras import with_keras
 from .linen import with_linen
-from .objects import _with_modules
-from .places import _with_places
+from .objects import with_modules
+from .places import with_places
 from .vocabulary import Modules, Scopes, Selection
 
 __all__ = ["calling"]
@@ -26,6 +26,6 @@ def calling(call: Callable, at: tuple[Selection, ...], *, objects: bool, fn=None
             call = functools.partial(with_linen, call, scopes)
             call = functools.partial(with_keras, call, scopes)
         chosen = tuple(s for s in at if isinstance(s, Modules))
-        return call if not chosen else functools.partial(_with_modules, call, chosen, fn)
+        return call if not chosen else functools.partial(with_modules, call, chosen, fn)
     chosen = tuple(s for s in at if not isinstance(s, Modules))
-    return call if not chosen else functools.partial(_with_places, call, chosen)
+    return call if not chosen else functools.partial(with_places, call, chosen)
