@@ -51,6 +51,48 @@ def _run_blocks(page, namespace, parser, runner):
             assert result.failed == 0, f"{name} failed; see the doctest output above"
 
 
+def repl_sessions(page) -> list[list[tuple[int, str]]]:
+    """The page's REPL sessions: each begins with a `pycon` block whose first line imports, and
+    goes on with the page's next `pycon` blocks until the next that begins one. `(index, body)`
+    of each block. (A `pycon` block before any such is the page's script's, run above.)"""
+    sessions: list[list[tuple[int, str]]] = []
+    for i, (lang, body) in enumerate(blocks(page)):
+        if lang != "pycon":
+            continue
+        if re.match(r">>> (import|from) ", body.lstrip()):
+            sessions.append([])
+        if sessions:
+            sessions[-1].append((i, body))
+    return sessions
+
+
+SESSIONS = [
+    (page, n, session) for page in PAGES for n, session in enumerate(repl_sessions(page))
+]
+
+
+@pytest.mark.parametrize(
+    ("page", "n", "session"),
+    SESSIONS,
+    ids=[f"{p.relative_to(ROOT)}[session {n}]" for p, n, _ in SESSIONS],
+)
+def test_each_repl_session_runs_pasted_in_order_in_a_fresh_interpreter(
+    page, n, session, tmp_path, monkeypatch
+):
+    """As a reader pastes it: only the session's own blocks, in order, in a new namespace."""
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    parser = doctest.DocTestParser()
+    with jax.numpy_rank_promotion("allow"):
+        for i, body in session:
+            name = f"{page.name}[block {i}]"
+            test = parser.get_doctest(body, namespace, name, str(page), 0)
+            result = runner.run(test, clear_globs=False)
+            namespace.update(test.globs)
+            assert result.failed == 0, f"{name} (session {n}) failed; see the doctest output"
+
+
 def test_api_page_documents_every_public_name():
     import statax.extend
 
