@@ -146,3 +146,16 @@ def test_errors_print_as_the_public_names_users_catch():
         assert shown.startswith("statax.SelectionError: "), shown
     else:
         raise AssertionError("only= naming no mark must raise")
+
+
+def test_a_string_at_suggests_only_scopes_and_modules():
+    with pytest.raises(TypeError, match=r"only='hidden'.*stx\.scopes\('hidden'\).*stx\.modules"):
+        stx.pull(lambda x: x, at="hidden")(jnp.ones(2))
+
+
+def test_only_a_cotangent_key_says_only_selects_a_mark_with_its_cotangent():
+    def f(x):
+        return jnp.sum(stx.save_inter(jnp.sin(x), name="h"))
+
+    with pytest.raises(stx.SelectionError, match=r"only= takes names.*only='h' with cotangents"):
+        stx.pull(jax.grad(f), only="h_0.grad", cotangents=True)(jnp.ones(2))

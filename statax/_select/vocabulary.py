@@ -186,9 +186,18 @@ def selections(at: Any) -> tuple[Selection, ...]:
         return ()
     items = (at,) if isinstance(at, Selection) else at
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, Selection) for s in items):
+        text = next(
+            (x for x in (at if isinstance(at, (list, tuple)) else [at]) if isinstance(x, str)), None
+        )
+        hint = ""
+        if text is not None:
+            hint = (
+                f" For a mark saved as {text!r}, pull(fn, only={text!r}); for a named scope or "
+                f"a module's path, at=stx.scopes({text!r}) or at=stx.modules({text!r})."
+            )
         raise TypeError(
             "at= takes a selection (stx.scopes, stx.modules, stx.primitives, stx.lines) or a "
-            f"list of them; got {at!r}."
+            f"list of them; got {at!r}.{hint}"
         )
     # A scope nested in another is a region of its own: one selection per pattern, so that
     # `stx.scopes("outer", "outer/inner")` marks both, as two selections do.
