@@ -119,3 +119,23 @@ def test_maintaining_lists_every_private_jax_name():
     assert not missing, "docs/maintaining.md lacks (run tools/private_names.py --markdown):\n" + (
         "\n".join(missing)
     )
+
+
+def readme_command(tag: str) -> str:
+    """The README's command under `<!-- ci:{tag} -->`, as `.ci/run` reads it."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- ci:{tag} -->\n```bash\n(.*?)\n```", text, re.S)
+    assert match, tag
+    return match[1]
+
+
+def test_the_main_job_installs_what_it_needs_and_the_tests_their_extra():
+    install, tests = readme_command("install"), readme_command("test")
+    assert re.search(r"pip install -e \.( |$)", install), install  # statax alone, no extra
+    assert '".[test]"' in tests and "pytest" in tests
+    quickstart = (ROOT / "examples" / "quickstart.py").read_text()
+    imported = set(re.findall(r"^(?:import|from) (\w+)", quickstart, re.M))
+    assert imported <= {"jax", "equinox", "statax", "__future__"}, imported
+    core = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    names = {re.match(r'\s*"([a-z]+)', d)[1] for d in core[1].split(",") if d.strip()}
+    assert names == {"jax", "jaxlib", "equinox"}
