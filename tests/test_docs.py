@@ -66,9 +66,7 @@ def repl_sessions(page) -> list[list[tuple[int, str]]]:
     return sessions
 
 
-SESSIONS = [
-    (page, n, session) for page in PAGES for n, session in enumerate(repl_sessions(page))
-]
+SESSIONS = [(page, n, session) for page in PAGES for n, session in enumerate(repl_sessions(page))]
 
 
 @pytest.mark.parametrize(
@@ -136,6 +134,8 @@ def test_the_main_job_installs_what_it_needs_and_the_tests_their_extra():
     quickstart = (ROOT / "examples" / "quickstart.py").read_text()
     imported = set(re.findall(r"^(?:import|from) (\w+)", quickstart, re.M))
     assert imported <= {"jax", "equinox", "statax", "__future__"}, imported
-    core = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    core = re.search(
+        r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S
+    )
     names = {re.match(r'\s*"([a-z]+)', d)[1] for d in core[1].split(",") if d.strip()}
     assert names == {"jax", "jaxlib", "equinox"}
