@@ -139,3 +139,12 @@ def test_the_main_job_installs_what_it_needs_and_the_tests_their_extra():
     )
     names = {re.match(r'\s*"([a-z]+)', d)[1] for d in core[1].split(",") if d.strip()}
     assert names == {"jax", "jaxlib", "equinox"}
+
+
+def test_no_figure_refers_to_an_issue_or_a_past_state():
+    for page in (ROOT / "README.md", ROOT / "docs" / "performance.md"):
+        text = page.read_text()
+        assert not re.search(r"\bissue \d+", text), page.name
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Performance") : readme.index("## How it compares")]
+    assert section.count("\n|") <= 12, "the README keeps a short table; the rest is a docs page"
