@@ -155,3 +155,23 @@ def test_without_a_kernel_nothing_is_registered(monkeypatch):
 
     monkeypatch.delitem(sys.modules, "IPython", raising=False)
     assert _display.register_notebook_display() is False
+
+
+def test_a_summarized_result_describes_as_one_row_per_key():
+    """`summarize=stx.stats` (as docs/debugging-gradients.md recommends): a row per key, its
+    statistics as the columns, the same figures as the raw values' rows."""
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 4)
+    _, raw = stx.pull(mlp, at=stx.modules("layers[*]"))(x)
+    _, table = stx.pull(mlp, at=stx.modules("layers[*]"), summarize=stx.stats)(x)
+    summarized, plain = stx.describe(table), stx.describe(raw)
+    assert (
+        [r.name for r in summarized.rows]
+        == list(raw)
+        == ["layers[0]_0", "layers[1]_0", "layers[2]_0"]
+    )
+    for s_row, p_row in zip(summarized.rows, plain.rows, strict=True):
+        assert s_row.dtype == "stats" and s_row.stats == p_row.stats
+    assert "ArrayImpl" not in str(summarized)

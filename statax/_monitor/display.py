@@ -84,25 +84,40 @@ def describe(inters: dict[str, Any]) -> Description:
         if parsed.suffix == RAN and str(parsed.value()) in inters:
             continue  # said on its value's rows (`pull(fn, ran=True)`)
         ran = _ran_note(inters.get(str(parsed.ran())))
-        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+        site = " ".join(filter(None, (ran, where.get(key, ""))))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value, is_leaf=_summarized):
             name = key + ("." + path_name(path) if path else "")
-            if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.size(leaf):
+            if _summarized(leaf):  # (`summarize=stx.stats`: its statistics, one row)
+                st = jax.device_get(leaf)
+                rows.append(_Row(name, "", "stats", _cells(st), "", site))
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.size(leaf):
                 st = jax.device_get(_summary(jnp.asarray(leaf)))
-                cells = (
-                    f"{st['mean']:+.4g}",
-                    f"{st['std']:.4g}",
-                    f"{st['min']:+.4g}",
-                    f"{st['max']:+.4g}",
-                    str(int(st["nan_count"])),
-                    str(int(st["inf_count"])),
-                )
                 shape = str(tuple(np.shape(leaf)))
-                site = " ".join(filter(None, (ran, where.get(key, ""))))
-                rows.append(_Row(name, shape, str(leaf.dtype), cells, "", site))
+                rows.append(_Row(name, shape, str(leaf.dtype), _cells(st), "", site))
             else:
                 kind = type(leaf).__name__
                 rows.append(_Row(name, "", kind, None, repr(leaf), where.get(key, "")))
     return Description(rows, inters)
+
+
+_SUMMARY_KEYS = frozenset({"mean", "std", "min", "max", "nan_count", "inf_count"})
+
+
+def _summarized(x) -> bool:
+    """Whether `x` is what `stx.stats` made of one array (a dict of its statistics)."""
+    return isinstance(x, dict) and _SUMMARY_KEYS <= x.keys()
+
+
+def _cells(st) -> tuple[str, ...]:
+    """A row's statistics, formatted as `_STATS`."""
+    return (
+        f"{float(st['mean']):+.4g}",
+        f"{float(st['std']):.4g}",
+        f"{float(st['min']):+.4g}",
+        f"{float(st['max']):+.4g}",
+        str(int(st["nan_count"])),
+        str(int(st["inf_count"])),
+    )
 
 
 def _ran_note(mask) -> str:
