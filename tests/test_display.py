@@ -175,3 +175,33 @@ def test_a_summarized_result_describes_as_one_row_per_key():
     for s_row, p_row in zip(summarized.rows, plain.rows, strict=True):
         assert s_row.dtype == "stats" and s_row.stats == p_row.stats
     assert "ArrayImpl" not in str(summarized)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_in_a_notebook_sites_and_lines_name_a_cell_as_marks_do():
+    """One naming everywhere: `stx.sites` rows and `stx.lines` keys say "Cell In[n], line k",
+    and `stx.lines` takes what they show. The sites table aligns text left, figures right, by
+    each cell's own style."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        cell = (
+            "import jax.numpy as jnp\nimport statax as stx\n"
+            "def f(x):\n    y = jnp.sin(x)\n    return stx.save_inter(y * 2, name='h')\n"
+        )
+        assert shell.run_cell(cell, store_history=True).success
+        f = shell.user_ns["f"]
+        number = shell.execution_count - 1
+        place = f"Cell In[{number}], line 4"
+        found = stx.sites(f)(jnp.ones(3))
+        lines = [s.place for s in found.of("line")]
+        assert place in lines and not any(".py:" in p for p in lines), lines
+        _, got = stx.pull(f, at=stx.lines(place))(jnp.ones(3))
+        assert list(got) == [f"{place}_0", "h_0"]
+        assert found.bytes(stx.lines(place)) == 24  # (with the mark: what pull returns)
+        html = found._repr_html_()
+        assert '<td style="text-align:left">line</td>' in html
+        assert '<td style="text-align:right">12 B</td>' in html
+    finally:
+        InteractiveShell.clear_instance()

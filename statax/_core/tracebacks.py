@@ -44,12 +44,12 @@ def place(file: str, line: int) -> str:
     """`"file:line"`, or in a notebook, for code typed into a cell, `"Cell In[3], line 6"`, as
     IPython's own tracebacks show it (its public `compile.format_code_name`; the file that
     IPython gives a cell, `/tmp/ipykernel_.../2730016506.py`, means nothing to a user)."""
-    cell = _cell(file)
+    cell = cell_of(file)
     return f"{file}:{line}" if cell is None else f"{cell}, line {line}"
 
 
 @functools.lru_cache(maxsize=1024)
-def _cell(file: str) -> str | None:
+def cell_of(file: str) -> str | None:
     """`"Cell In[3]"` for a file IPython made of a cell, else `None` (once per file: a file is
     a cell's from the moment it exists)."""
     ipython = sys.modules.get("IPython")  # (never imported here: a notebook has it already)

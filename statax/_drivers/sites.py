@@ -125,10 +125,16 @@ class Sites(Sequence[Site]):
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
+        # Each cell aligned by its own style (a notebook may drop the <style> of an output it
+        # does not trust, and right-aligns cells by default): text left, figures right.
         e = html.escape
-        head = "".join(f"<th>{e(h)}</th>" for h in _HEAD)
+        align = [f' style="text-align:{"right" if i >= _FIGURES else "left"}"' for i in range(7)]
+        head = "".join(f"<th{a}>{e(h)}</th>" for h, a in zip(_HEAD, align, strict=True))
         body = "".join(
-            "<tr>" + "".join(f"<td>{e(c)}</td>" for c in _cells(s)) + "</tr>" for s in self._rows
+            "<tr>"
+            + "".join(f"<td{a}>{e(c)}</td>" for c, a in zip(_cells(s), align, strict=True))
+            + "</tr>"
+            for s in self._rows
         )
         return (
             "<style>.statax-sites{border-collapse:collapse;font-family:monospace;font-size:12px}"
@@ -140,6 +146,7 @@ class Sites(Sequence[Site]):
 
 
 _HEAD = ("kind", "place", "shape", "dtype", "calls", "per call", "bytes")
+_FIGURES = 4  # (the columns from "calls" on are figures)
 
 
 def _cells(s: Site) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._core.tracebacks import cell_of
 from .where import same_file, scope_region
 
 __all__ = ["Selection", "lines", "modules", "primitives", "scopes", "selections"]
@@ -50,12 +51,24 @@ class Lines(Selection):
             return None
         frames = [(f.file_name, f.line_num) for f in traceback.frames]
         for file, line in self.places:
-            if any(n == line and same_file(f, file) for f, n in frames):
-                return f"{file}:{line}"
+            if any(n == line and _at(f, file) for f, n in frames):
+                return _shown(file, line)
         return None
 
     def __str__(self) -> str:
-        return f"stx.lines({', '.join(repr(f'{f}:{n}') for f, n in self.places)})"
+        return f"stx.lines({', '.join(repr(_shown(f, n)) for f, n in self.places)})"
+
+
+def _at(file_name: str, file: str) -> bool:
+    """Whether a frame's `file_name` is `file`: its path's end, or a notebook cell's label."""
+    if file.startswith("Cell In["):
+        return cell_of(file_name) == file
+    return same_file(file_name, file)
+
+
+def _shown(file: str, line: int) -> str:
+    """A place as statax shows it: `"model.py:42"`, or `"Cell In[3], line 6"` in a notebook."""
+    return f"{file}, line {line}" if file.startswith("Cell In[") else f"{file}:{line}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +144,14 @@ def lines(*places: str, reduce: str | None = None) -> Selection:
     it: `"model.py:42"` (the end of the file's path, and its line). Keyed by the place."""
     parsed = []
     for place in _strings(places, "stx.lines"):
-        match = re.fullmatch(r"(.+):(\d+)", place)
+        match = re.fullmatch(r"(Cell In\[\d+\]), line (\d+)", place) or re.fullmatch(
+            r"(.+):(\d+)", place
+        )
         if match is None:
-            raise TypeError(f"stx.lines takes 'file.py:42' places; got {place!r}.")
+            raise TypeError(
+                f"stx.lines takes 'file.py:42' places (in a notebook, 'Cell In[3], line 6', as "
+                f"statax shows them); got {place!r}."
+            )
         parsed.append((match[1], int(match[2])))
     return Lines(tuple(parsed), reduce)
 

@@ -91,7 +91,8 @@ def location_of(eqn) -> str:
     hit = _LOCATIONS.get(key)
     if hit is None:
         match = re.match(r"(.*?):(\d+)", source_info_api.summarize(eqn.source_info))
-        hit = _LOCATIONS[key] = ("<unknown>" if match is None else f"{match[1]}:{match[2]}", codes)
+        where = "<unknown>" if match is None else place(match[1], int(match[2]))
+        hit = _LOCATIONS[key] = (where, codes)
         if len(_LOCATIONS) > 4096:
             _LOCATIONS.clear()
     return hit[0]
@@ -128,6 +129,9 @@ def walk(jaxpr, stack: tuple) -> Iterator[tuple[tuple, Any]]:
 
 
 def short_place(location: str) -> str:
+    """`"file.py:42"` of a `"/path/to/file.py:42"`; a notebook cell's place as it is."""
+    if location.startswith("Cell In["):
+        return location
     file, _, line = location.rpartition(":")
     return f"{file.rsplit('/', 1)[-1]}:{line}"
 
