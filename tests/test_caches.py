@@ -61,11 +61,13 @@ with open(__file__) as _file:
     LINE_SIN = next(i for i, line in enumerate(_file, 1) if line.rstrip().endswith("# LINE_SIN"))
 
 
-def make_plain(depth):
-    """`_core` with a `jit` around it (`"outer"`), inside it (`"inside"`) or none."""
+def make_plain(depth, body=None):
+    """`body` (`_core` by default) with a `jit` around it (`"outer"`), inside it (`"inside"`)
+    or none: a factory of fresh functions."""
+    body = _core if body is None else body
 
     def make():
-        core = jax.jit(lambda w, x: _core(w, x)) if depth == "inside" else _core
+        core = jax.jit(lambda w, x: body(w, x)) if depth == "inside" else body
         fn = lambda w, x: core(w, x) * 1.0  # noqa: E731
         return jax.jit(fn) if depth == "outer" else fn
 
@@ -328,15 +330,6 @@ def _loop(w, x):
     return jnp.sum(eqx.internal.while_loop(cond, body, (0, x), max_steps=4, kind="checkpointed")[1])
 
 
-def make_loop(depth):
-    def make():
-        core = jax.jit(lambda w, x: _loop(w, x)) if depth == "inside" else _loop
-        fn = lambda w, x: core(w, x) * 1.0  # noqa: E731
-        return jax.jit(fn) if depth == "outer" else fn
-
-    return make
-
-
 def _last_iteration(w, x):  # the loop by hand: the value the last iteration marks
     h = x
     for i in range(3):
@@ -346,7 +339,7 @@ def _last_iteration(w, x):  # the loop by hand: the value the last iteration mar
 
 @pytest.mark.parametrize("depth", ["outer", "inside", "none"])
 def test_an_equinox_checkpointed_loop_on_one_function_answers_as_a_fresh_one(depth):
-    make = make_loop(depth)
+    make = make_plain(depth, _loop)
     fn = make()
     grad_make = lambda: jax.grad(make())  # noqa: E731
     step = grad_make()
