@@ -80,7 +80,7 @@ class Flags(NamedTuple):
 
 _FLAGS: dict[jex.Primitive, Flags] = {}
 _NO_FLAGS = Flags()
-_FAMILY_FLAGS = [False]  # whether any family declared flags
+_family_flags = False  # whether any family declared flags
 
 
 def register_handler(
@@ -188,15 +188,17 @@ def register_family(
     `runs` and the flags) serve every equation of a primitive with no handler of its own for
     which `matches(eqn)` is true."""
     flags = Flags(selectable, runs_python)
+    global _family_flags
     _FAMILIES.append((matches, handler, find_saves, (thread_state, runs), flags))
-    _FAMILY_FLAGS[0] = any(f[4] != _NO_FLAGS for f in _FAMILIES)
+    _family_flags = any(f[4] != _NO_FLAGS for f in _FAMILIES)
     _forget_rewrites()
 
 
 def unregister_family(matches: Callable[[jex.JaxprEqn], bool]) -> None:
     """Remove the family registered with `matches`."""
+    global _family_flags
     _FAMILIES[:] = [f for f in _FAMILIES if f[0] is not matches]
-    _FAMILY_FLAGS[0] = any(f[4] != _NO_FLAGS for f in _FAMILIES)
+    _family_flags = any(f[4] != _NO_FLAGS for f in _FAMILIES)
     _forget_rewrites()
 
 
@@ -297,7 +299,7 @@ def declares_flags(eqn: jex.JaxprEqn) -> bool:
     """Whether flags were declared for `eqn`'s primitive itself (by its handler, or by name),
     or a family declared any (a quick test before `flags_for`, which looks through the
     families)."""
-    return eqn.primitive in _FLAGS or eqn.primitive.name in _NAMED_FLAGS or _FAMILY_FLAGS[0]
+    return eqn.primitive in _FLAGS or eqn.primitive.name in _NAMED_FLAGS or _family_flags
 
 
 def flags_for(eqn: jex.JaxprEqn) -> Flags:

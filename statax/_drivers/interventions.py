@@ -38,7 +38,15 @@ class _Planted(eqx.Module):
         planting = Planting.of(values)
         if planting.cotangents:
             refuse_program_places(self.at)
-        pulled = Pulled(self.fn, None, True, None, False, planting, self.at, planting.cotangents)
+        pulled = Pulled(
+            self.fn,
+            only=None,
+            enabled=True,
+            summarize=None,
+            planting=planting,
+            at=self.at,
+            cotangents=planting.cotangents,
+        )
         return call_pulled(pulled, args, kwargs, values)[0]
 
 

@@ -8,7 +8,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -53,19 +53,22 @@ from .naming import check_only, named, plans_for, selection_of, unflatten_out
 __all__ = ["pull"]
 
 
-class _Entry(NamedTuple):
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _Entry:
+    """What one trace of a pulled function makes, kept per function and kind of arguments."""
+
     jaxpr: jex.ClosedJaxpr  # the rewritten jaxpr
     metas: tuple[StateMeta, ...]
     out_treedef: Any
     out_static: tuple[Any, ...]  # per output leaf: None where an array goes, else (leaf,)
     num_out: int
     literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
-    summarized: dict  # summarize function -> compiled evaluation that applies it
     ins: tuple[StateMeta, ...]  # what the rewritten jaxpr takes in (planted marks)
     in_avals: tuple
-    plans: dict  # ran -> how the flat intermediates become the named dict
     call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
-    checked: list  # `[True]` once `only=` was checked against the marks (`check_only`)
+    summarized: dict = dataclasses.field(default_factory=dict)  # summarize -> its evaluation
+    plans: dict = dataclasses.field(default_factory=dict)  # ran -> how the dict is made
+    checked: bool = False  # whether `only=` was checked against the marks (`check_only`)
 
 
 @functools.partial(
@@ -96,7 +99,7 @@ class Pulled:
     @boundary
     def __call__(self, *args, **kwargs):
         known = self.__dict__.get("_compiled")  # (generation, tree, compiled), once it has run
-        if known is not None and known[0] == _GENERATION[0] and _fastpaths.on and _tracing.eager():
+        if known is not None and known[0] == _generation and _fastpaths.on and _tracing.eager():
             # An eager call of a pull that has run compiled: straight to it, which takes the
             # call if it is on arrays (see `_run_compiled`).
             result = _run_compiled(known[2], known[1], args, kwargs)
@@ -151,7 +154,7 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
             result = _run_compiled(compiled, tree, args, kwargs)
             if result is not None:
                 # This pull's next calls on arrays go straight here (its `tree` is fixed).
-                object.__setattr__(pulled, "_compiled", (_GENERATION[0], tree, compiled))
+                object.__setattr__(pulled, "_compiled", (_generation, tree, compiled))
                 return result
     if is_node is not None and any(map(is_node, leaves)):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
@@ -167,12 +170,13 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
 
 # root callable (held weakly) -> OrderedDict((only, ran, at) -> compiled evaluation)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GENERATION = [0]  # counts the times the handlers changed (a pull keeps its compiled evaluation)
+_generation = 0  # counts the times the handlers changed (a pull keeps its compiled evaluation)
 
 
 def _forget_compiled() -> None:
     _COMPILED.clear()
-    _GENERATION[0] += 1
+    global _generation
+    _generation += 1
 
 
 on_forget(_forget_compiled)
@@ -354,7 +358,7 @@ def _entry(root, call, leaves, treedef, only, at=(), in_program=()) -> tuple[_En
             root, call, leaves, treedef, traced, None, key[-1], in_program
         )
         check_only(only, entry.metas, everything)
-        entry.checked.append(True)
+        entry.checked = True
     return entry, dynamic
 
 
@@ -421,7 +425,15 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> _
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
     call_params = None if escaped else _params.jit_call_params(new, _name_of(root))
     return _Entry(
-        new, metas, out_def, out_static, n, literals, {}, ins, in_avals, {}, call_params, []
+        jaxpr=new,
+        metas=metas,
+        out_treedef=out_def,
+        out_static=out_static,
+        num_out=n,
+        literals=literals,
+        ins=ins,
+        in_avals=in_avals,
+        call=call_params,
     )
 
 
@@ -505,7 +517,13 @@ def pull(
     if cotangents:
         refuse_program_places(at)
     return Pulled(
-        fn, selection_of(only), bool(enabled), summarize, bool(ran), None, at, bool(cotangents)
+        fn,
+        only=selection_of(only),
+        enabled=bool(enabled),
+        summarize=summarize,
+        ran=bool(ran),
+        at=at,
+        cotangents=bool(cotangents),
     )
 
 
