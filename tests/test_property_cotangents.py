@@ -12,7 +12,7 @@ step made with `grad`, `value_and_grad` or `vjp` (with or without a `jit` around
 * a planted cotangent (a scale, zeros, a clip, an array) at one occurrence is compared with a
   `custom_vjp` identity at that place that does the same to its cotangent.
 
-`STATAX_PROPERTY_PROGRAMS=N` runs N programs per step kind (the suite runs 12); e.g.
+`STATAX_PROPERTY_PROGRAMS=N` runs N programs per step kind (the suite runs 8); e.g.
 `STATAX_PROPERTY_PROGRAMS=200 .venv/bin/python -m pytest -q -n auto
 tests/test_property_cotangents.py` is the larger run."""
 
@@ -28,7 +28,7 @@ import pytest
 import statax as stx
 
 N = 3  # the width of the state each node maps
-PROGRAMS = int(os.environ.get("STATAX_PROPERTY_PROGRAMS", "12"))
+PROGRAMS = int(os.environ.get("STATAX_PROPERTY_PROGRAMS", "8"))
 POLICIES = {
     "nothing": jax.checkpoint_policies.nothing_saveable,
     "everything": jax.checkpoint_policies.everything_saveable,
