@@ -371,11 +371,13 @@ def test_repeated_calls_and_fresh_pulls_do_not_retrace():
 
 
 def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
-    import statax._drivers.pull as pull_module
+    import statax._drivers.entries as entries_module
 
     calls = []
-    original = pull_module.pull_collected
-    monkeypatch.setattr(pull_module, "pull_collected", lambda *a: calls.append(1) or original(*a))
+    original = entries_module.pull_collected
+    monkeypatch.setattr(
+        entries_module, "pull_collected", lambda *a: calls.append(1) or original(*a)
+    )
 
     def f(x):
         return stx.save_inter(x + 1)
@@ -420,6 +422,7 @@ def _jitted_layers(n):
 
 @pytest.mark.fast_paths
 def test_eager_calls_of_a_jitted_function_run_compiled(monkeypatch):
+    import statax._drivers.compiled as compiled_module
     import statax._drivers.pull as pull_module
 
     f, ref = _jitted_layers(12)
@@ -430,8 +433,9 @@ def test_eager_calls_of_a_jitted_function_run_compiled(monkeypatch):
     locations = origins(inters)
     assert all("test_pull.py:" in where for where in locations.values())
     evaluated = []
-    original = pull_module._evaluate
-    monkeypatch.setattr(pull_module, "_evaluate", lambda *a: evaluated.append(1) or original(*a))
+    original = pull_module.evaluate  # (what both paths evaluate with: entries.evaluate)
+    for module in (pull_module, compiled_module):
+        monkeypatch.setattr(module, "evaluate", lambda *a: evaluated.append(1) or original(*a))
     pulled(xs[1])  # (traced into the compiled evaluation, once)
     evaluated.clear()
     for x in xs[1:]:  # the same types: one dispatch of the compiled program

@@ -25,7 +25,7 @@ Three callback slots let a lower floor call up, where an import would run the wr
 
 * `registry.on_forget(callback)`: when the handlers change, every cache of searches and
   rewrites is dropped (`marks`, `rewrite`, `exposers`, and above: `_drivers.cache`,
-  `_drivers.pull`, `handlers.custom_derivatives`);
+  `_drivers.compiled`, `handlers.custom_derivatives`);
 * `registry.on_unregister(callback)`: when a primitive's handler goes, so does what was
   installed with it elsewhere (`batching` gives JAX its batching rule back);
 * `cotangents.on_transpose(mark)`: the tap's transpose marks the cotangent as a `save_inter`
