@@ -10,6 +10,17 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def allow_rank_promotion():
+    """The model libraries (Keras's `Dense`, transformers) broadcast ranks implicitly, which the
+    suite otherwise raises on."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
@@ -20,8 +31,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     from statax._core import fastpaths as _fastpaths
 
     if _fastpaths.on:

@@ -253,14 +253,7 @@ def make_keras():
     return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
 
 
-@pytest.fixture
-def _rank_promotion():
-    """Keras's `Dense` adds its bias with an implicit rank promotion, which the suite raises on."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
-@pytest.mark.usefixtures("_rank_promotion")
+@pytest.mark.usefixtures("allow_rank_promotion")
 @pytest.mark.parametrize("depth", ["outer", "inside"])
 def test_keras_scopes_through_a_jit_answer_each_selection(depth):
     model = make_keras()

@@ -22,12 +22,7 @@ transformers.logging.set_verbosity_error()  # (its notice that Flax classes are 
 IDS = jnp.arange(8)[None] % 50
 
 
-@pytest.fixture(autouse=True)
-def _rank_promotion():
-    """These libraries broadcast ranks implicitly (Keras's `Dense` adds its bias so), which the
-    suite otherwise raises on."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
+pytestmark = pytest.mark.usefixtures("allow_rank_promotion")  # (Keras, transformers)
 
 
 # ---- a dataclass registered with jax.tree_util, its layers stacked and scanned -----------------

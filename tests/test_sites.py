@@ -14,11 +14,7 @@ import statax as stx
 from .test_select import EQX, LINEN, LINEN_PARAMS, XS, NNXModel, ScanNet, X
 from .test_select_libraries import IDS, _stateless, gpt2, keras_model, penzai_lm
 
-
-@pytest.fixture(autouse=True)
-def _rank_promotion():  # (Keras and transformers broadcast ranks implicitly)
-    with jax.numpy_rank_promotion("allow"):
-        yield
+pytestmark = pytest.mark.usefixtures("allow_rank_promotion")  # (Keras, transformers)
 
 
 def _arrays_bytes(tree) -> int:

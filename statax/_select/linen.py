@@ -28,24 +28,23 @@ def with_linen(call, chosen: tuple[Scopes, ...], tree, *args, **kwargs):
     # first name. `apply(..., method=f)` with a function `f` that calls a submodule
     # (`FlaxT5Model.encode`) calls no method of the root: no scope of its name then (None).
     roots: list[str | None] = []
-    building: list[None] = []  # one entry per `setup` running: what runs there only builds
+    setups = 0  # how many `setup`s are running: what runs inside one only builds
 
     def interceptor(next_fun, args, kwargs, context):
+        nonlocal setups
         module = context.module
         outermost = not roots
         if outermost:  # (as Linen names its scope)
             roots.append(None if module.path else module.name or type(module).__name__)
         setup = context.method_name == "setup"
-        if setup:
-            building.append(None)
+        setups += setup
         try:
             out = next_fun(*args, **kwargs)
         finally:
             if outermost:
                 roots.pop()
-            if setup:
-                building.pop()
-        if setup or building:  # it makes submodules (a helper `setup` calls): no value
+            setups -= setup
+        if setup or setups:  # it makes submodules (a helper `setup` calls): no value
             return out
         names = _scope_names(roots[0] if roots else None, module, context.method_name)
         return mark_selected(chosen, names, out, marked)

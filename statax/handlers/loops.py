@@ -128,7 +128,7 @@ def _stacked(metas):
     along the scan's leading axis, ahead of the axes a `vmap` inside the body gave them: those
     axes are no longer leading (`batch_ndim` 0). Reduced names keep their own layout. A
     cotangent's batch axes with loops left to move past (`StateMeta.moves`) stay in front, as
-    its value's do (see `_moved`)."""
+    its value's do (`_unstack_reduced` moves them there)."""
     out = []
     for m in metas:
         if m.batch_ndim and m.reduce is None:
@@ -233,8 +233,8 @@ _scan_traced = handler_from_exposer(_scan_exposer)
 
 def _scan_handler(eqn):
     # The common case (no reduced names, nothing planted, no cotangent batched outside the loop,
-    # not an equinox loop) without tracing
-    # the exposer: the equation itself, its body returning the intermediates as extra ys.
+    # not an equinox loop) without tracing the exposer: the equation itself, its body returning
+    # the intermediates as extra ys.
     parts = params.scan_parts(eqn.params)
     body = pull_jaxpr(parts.jaxpr)
     if (
