@@ -9,6 +9,9 @@ step made with `grad`, `value_and_grad` or `vjp` (with or without a `jit` around
   loss with respect to a zero perturbation added at the mark (the oracle threads the
   perturbation through the same nesting by hand, one per occurrence, laid out as `pull` lays
   out the value: one axis per enclosing loop or `vmap`, outermost first);
+* the same pull called again with the same shapes (its cached path) answers alike, and for a
+  quarter of the programs the step under a `vmap` of examples (the other order) gives each
+  example's cotangents, example axis first;
 * a planted cotangent (a scale, zeros, a clip, an array) at one occurrence is compared with a
   `custom_vjp` identity at that place that does the same to its cotangent.
 
@@ -299,16 +302,42 @@ def test_every_cotangent_is_the_gradient_at_a_zero_perturbation(kind):
         names = keys(marks)
         step = step_of(kind, loss_of(node, names=names))
         step = jax.jit(step) if jit else step
-        out, inters = stx.pull(step, cotangents=True)(W, X)
+        pulled = stx.pull(step, cotangents=True)
+        out, inters = pulled(W, X)
         assert sorted(inters) == sorted([*names, *(k + ".grad" for k in names)]), node
         for k, (_, shape) in zip(names, marks, strict=True):
             assert inters[k].shape == shape, (node, k)
         want = jax.grad(lambda ds: loss_of(node, ds, names=names)(W, X))(_zeros(marks, names))
-        for k in names:
-            np.testing.assert_allclose(
-                inters[k + ".grad"], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{k} in {node}"
-            )
+        _check_grads(inters, want, names, node)
+        # A second call with the same shapes takes the cached path: the same answer.
+        _check_grads(pulled(W, X)[1], want, names, node)
+        if rng.random() < 0.25:  # the other order: the step under a `vmap` of examples
+            _check_per_example(node, kind, marks, names)
         _check_a_plant(node, kind, jit, marks, names, rng)
+
+
+def _check_grads(inters, want, names, node):
+    for k in names:
+        np.testing.assert_allclose(
+            inters[k + ".grad"], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{k} in {node}"
+        )
+
+
+XS = jnp.stack([X, -0.5 * X])
+
+
+def _check_per_example(node, kind, marks, names):
+    """`vmap(step)` over two examples: each cotangent per example, the example axis first."""
+    step = jax.vmap(step_of(kind, loss_of(node, names=names)), in_axes=(None, 0))
+    _, inters = stx.pull(step, cotangents=True)(W, XS)
+
+    def one(x):
+        return jax.grad(lambda ds: loss_of(node, ds, names=names)(W, x))(_zeros(marks, names))
+
+    want = jax.vmap(one)(XS)
+    for k, (_, shape) in zip(names, marks, strict=True):
+        assert inters[k + ".grad"].shape == (2, *shape), (node, k)
+    _check_grads(inters, want, names, node)
 
 
 def _check_a_plant(node, kind, jit, marks, names, rng):

@@ -436,3 +436,21 @@ def test_t5_encode_block_is_what_the_module_returned(jit):
         at=stx.scopes("FlaxT5Module/encoder/block/0"),
     )(model.params, ids)
     assert_tree_allclose(inters["FlaxT5Module/encoder/block/0_0"], blocks["0"]["__call__"][0])
+
+
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_nnx_a_function_of_an_of_model_is_marked_once_per_call(vmapped):
+    """An `of=` model's function (marked before the call, then found again inside it), and under
+    `vmap`, where Flax NNX refuses a change to its `List` made at another trace level."""
+    from flax import nnx
+
+    seq = nnx.Sequential(
+        nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    )
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    pulled = stx.pull(lambda x: seq(x), at=stx.modules("layers[1]", of=seq))
+    out, inters = jax.vmap(pulled)(x) if vmapped else pulled(x)
+    assert list(inters) == ["layers[1]_0"]
+    assert_tree_allclose(inters["layers[1]_0"], nnx.gelu(seq.layers[0](x)))
+    assert_tree_allclose(out, seq(x))
+    assert seq.layers[1] is nnx.gelu  # (put back)

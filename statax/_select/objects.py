@@ -83,6 +83,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
             chosen = [(o, n, s, places.get(n)) for o, n, s in targets.values()]
             for obj, name, selection, place in [*chosen, *shadows]:
                 if not _by_class(obj, place):
+                    if _is_marking(obj):  # (marked by an outer pass already: an `of=` model's)
+                        continue
                     if place is None or place[0] is None:
                         raise SelectionError(
                             f"{describe_selections((selection,))} selects {name!r}, a "
@@ -91,8 +93,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                             "is marked where it is held. Select it by its path in the model."
                         )
                     marked = _marking_call(obj, name, selection.inputs, selection.reduce)
-                    _put(*place, marked)
-                    replaced.append((*place, obj))
+                    _put(*place, obj, marked, selection)
+                    replaced.append((*place, marked, obj))
                     continue
                 cls = type(obj)
                 if getattr(cls, "_statax_marks", None) is None:
@@ -109,8 +111,8 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
         finally:
             for obj, cls in swapped:
                 object.__setattr__(obj, "__class__", cls)
-            for parent, key, obj in reversed(replaced):
-                _put(parent, key, obj)
+            for parent, key, marked, obj in reversed(replaced):
+                _put(parent, key, marked, obj)
 
 
 # The ids of the objects swapped for marking classes only so that trees made from the model (an
@@ -462,14 +464,27 @@ def _by_class(obj, place) -> bool:
     return not isinstance(obj, functools.partial)  # (its `__class__` cannot be assigned)
 
 
-def _put(parent, key: str, value) -> None:
-    """Hold `value` where `parent` holds a child at `key` (`".name"`, `"[0]"`, `"['k']"`, as
-    `_children` names them), bypassing a module's own `__setattr__`."""
+def _put(parent, key: str, old, value, selection=None) -> None:
+    """Hold `value` where `parent` holds `old` at `key` (`".name"`, `"[0]"`, `"['k']"`, as
+    `_children` names them), bypassing a module's own `__setattr__` (which may refuse a change
+    made under a transformation: Flax NNX's): an attribute is set on the object itself, and so
+    is an item that a container keeps as an attribute of its own (`nnx.List`)."""
     if key.startswith("."):
         object.__setattr__(parent, key[1:], value)
-    else:
-        inner = key[1:-1]
+        return
+    held = next((k for k, v in getattr(parent, "__dict__", {}).items() if v is old), None)
+    if held is not None:
+        object.__setattr__(parent, held, value)
+        return
+    inner = key[1:-1]
+    try:
         parent[int(inner) if inner.lstrip("-").isdigit() else inner.strip("'")] = value
+    except TypeError as error:  # (a tuple)
+        raise SelectionError(
+            f"{describe_selections((selection,))} selects a {type(old).__name__} that a "
+            f"{type(parent).__name__} holds, which cannot be changed to mark its calls. Select "
+            "the module that calls it, or its output's consumer."
+        ) from error
 
 
 def _marked_call(call, name: str, inputs: bool, reduce, args, kwargs):
