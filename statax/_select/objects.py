@@ -473,8 +473,8 @@ def _put(parent, key: str, old, value, selection=None) -> None:
         object.__setattr__(parent, key[1:], value)
         return
     held = next((k for k, v in getattr(parent, "__dict__", {}).items() if v is old), None)
-    if held is not None:
-        object.__setattr__(parent, held, value)
+    if held is not None:  # (keyed by its index as a string, or as an int in Flax 0.12.0)
+        vars(parent)[held] = value
         return
     inner = key[1:-1]
     try:
