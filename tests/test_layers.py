@@ -234,3 +234,51 @@ def test_a_private_import_is_caught():
         "statax._drivers.naming._helper (line 1)",
         "statax._core.marks._cached (line 3)",
     ]
+
+
+_REGISTRATIONS = ("register_handler", "register_exposer", "register_rules", "register_family")
+
+
+def registrations(path, monkeypatch) -> list:
+    """What the handler module at `path` registers, in order: each registration's key (a
+    primitive, a name or a family's test), the module run again with `statax.extend`'s
+    registrations recorded in place of made."""
+    import runpy
+
+    import statax.extend
+
+    seen: list = []
+
+    def recorder(key, handler=None, *args, **rules):
+        seen.append(key)
+        return (lambda h: h) if handler is None else handler
+
+    for name in _REGISTRATIONS:
+        monkeypatch.setattr(statax.extend, name, recorder)
+    runpy.run_path(str(path), run_name=f"statax_registrations_of_{path.stem}")
+    return seen
+
+
+HANDLER_MODULES = sorted(p for p in (PACKAGE / "handlers").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("path", HANDLER_MODULES, ids=lambda p: p.stem)
+def test_each_handler_module_registers_each_primitive_once(path, monkeypatch):
+    # One record per primitive, registered once: a second registration would replace the first
+    # whole (the scan that once had an exposer from one call and a handler from another).
+    seen = registrations(path, monkeypatch)
+    assert seen, f"{path.name} registers nothing"
+    twice = [key for key in seen if seen.count(key) > 1]
+    assert twice == []
+
+
+def test_a_second_registration_is_caught(tmp_path, monkeypatch):
+    module = tmp_path / "twice.py"
+    module.write_text(
+        "from jax.extend.core.primitives import scan_p\n"
+        "from statax.extend import register_exposer, register_handler\n"
+        "register_exposer(scan_p, print)\n"
+        "register_handler(scan_p, print, selectable=True)\n"
+    )
+    seen = registrations(module, monkeypatch)
+    assert len(seen) == 2 and seen[0] is seen[1]

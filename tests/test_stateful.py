@@ -508,21 +508,30 @@ def test_a_batched_predicate_inside_stateful_is_an_error_not_a_wrong_state():
         stx.stateful(jax.vmap(loop))(xs, state={"n": jnp.float32(0)})
 
 
-def test_the_batching_guard_outlives_the_cond_handler():
-    # statax owns its batching rules in one place: removing `pull`'s handler for `cond` keeps
-    # `stateful`'s guard, and registering it again keeps it too.
+def test_the_batching_guard_is_part_of_the_cond_record():
+    # What statax knows of `cond` is one record: removing it removes the guard (and gives JAX
+    # its batching rule back); registering it again with its guard brings the guard back.
+    from statax._jax import tracing
     from statax.handlers import cond
 
     def h(x):
         stx.set_state(jnp.zeros(()), "v")
         return lax.cond(x > 0, lambda x: stx.set_state(x, "v"), lambda x: -x, x)
 
+    ours = tracing.batching_rule(lax.cond_p)
     stx.extend.unregister_handler(lax.cond_p)
     try:
-        with pytest.raises(stx.StateError, match="predicate differs per example"):
-            stx.stateful(jax.vmap(h))(jnp.array([1.0, -2.0]))
+        assert tracing.batching_rule(lax.cond_p) is not ours  # JAX's own again
+        assert stx.extend.equations  # (the rest of statax still imports)
     finally:
-        stx.extend.register_exposer(lax.cond_p, cond._cond_exposer, thread_state=cond._cond_state)
+        stx.extend.register_exposer(
+            lax.cond_p,
+            cond._cond_exposer,
+            thread_state=cond._cond_state,
+            batching_guard=cond.BATCHING_GUARD,
+            selectable=True,
+            runs_python=False,
+        )
     with pytest.raises(stx.StateError, match="predicate differs per example"):
         stx.stateful(jax.vmap(h))(jnp.array([1.0, -2.0]))
 

@@ -11,8 +11,9 @@ it, and `statax._jax`):
    (`StateMeta`), `evaluator` (the one walk over a jaxpr), `jax_rules` (registering rules),
    `tracebacks`, `flat_calls` (how a driver calls a function, flat), `python_rules`,
    `custom_rules`, `equinox_internals` (equinox's private machinery);
-1. `registry` (what statax knows of each primitive), `staging` (marks staged straight into a
-   trace), `cotangents` (the tap that marks a cotangent), `scope`, `errors`;
+1. `registry` (what statax knows of each primitive: one `Rules` record each), `staging`
+   (marks staged straight into a trace), `cotangents` (the tap that marks a cotangent),
+   `scope`, `errors`;
 2. `fastpaths` (the one switch), `reduce` (`reduce=` modes);
 3. `primitive` (`save_inter_p` and all of its rules);
 4. `marks` (finding marks, at any depth);
@@ -26,8 +27,9 @@ Three callback slots let a lower floor call up, where an import would run the wr
 * `registry.on_forget(callback)`: when the handlers change, every cache of searches and
   rewrites is dropped (`marks`, `rewrite`, `exposers`, and above: `_drivers.cache`,
   `_drivers.compiled`, `handlers.custom_derivatives`);
-* `registry.on_unregister(callback)`: when a primitive's handler goes, so does what was
-  installed with it elsewhere (`batching` gives JAX its batching rule back);
+* `registry.on_change(callback)`: when a primitive's record is registered or removed, what
+  is installed with it in JAX follows (`batching` installs statax's batching rule where the
+  record asks for one, and gives JAX's back where it no longer does);
 * `cotangents.on_transpose(mark)`: the tap's transpose marks the cotangent as a `save_inter`
   would (`primitive._mark_cotangent`), collected and planted under its key.
 """

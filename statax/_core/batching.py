@@ -1,8 +1,9 @@
 """The one owner of statax's batching rules for JAX's primitives.
 
-An exposer (`register_exposer`) runs, under `vmap`, in place of JAX's own batching rule for a
-primitive whose jaxprs hold marks, and guards (`register_batching_guard`) run before it is
-batched. JAX's own rule is given back when neither is left. Leans on `jax._src.core`'s
+A primitive's record (`registry.Rules`) says what statax adds to its batching: an exposer runs,
+under `vmap`, in place of JAX's own batching rule where its jaxprs hold marks; a guard runs
+before it is batched; a stacking loop is counted while it is batched. JAX's own rule is given
+back when the record goes or needs none. Leans on `jax._src.core`'s
 `mapped_aval` and `jax._src.interpreters.batching.batch_jaxpr2` (`batch_traced`).
 """
 
@@ -20,17 +21,15 @@ from jax._src import core  # isort: skip
 from jax._src.interpreters import batching  # isort: skip
 
 
-import dataclasses
-
 from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 from .._jax.jaxprs import trace
 from . import context as _context
 from . import cotangents as _cotangents
 from .marks import find_saves
-from .registry import Exposer, on_unregister
+from .registry import on_change, rules_of
 
-__all__ = ["batch_traced", "register_stacking"]
+__all__ = ["batch_traced"]
 
 
 def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -> tuple:
@@ -45,62 +44,41 @@ def batch_traced(fn: Callable, axis_data: Any, args: Sequence, dims: Sequence) -
     return jex.jaxpr_as_fun(batched)(*args), list(out_dims)
 
 
-# The one owner of statax's batching rules for JAX's primitives: primitive -> _Batching. An
-# exposer (`register_exposer`) and guards (`register_batching_guard`) share one rule, installed
-# once and JAX's own given back when neither is left.
-_BATCHING: dict[jex.Primitive, _Batching] = {}
+# JAX's own batching rule of each primitive whose record (`Rules.batches`) has statax's rule
+# stand in for it: given back when the record goes, or no longer needs it.
+_ORIGINAL: dict[jex.Primitive, Callable | None] = {}
 
 
-# The loops that stack what their bodies mark (`register_stacking`).
-_STACKING: set = set()
+def _install(primitive) -> None:
+    """Install statax's batching rule for `primitive` where its record needs one (an exposer, a
+    guard, a stacking loop), and give JAX's own back where it no longer does."""
+    if not isinstance(primitive, jex.Primitive):
+        return  # (a record kept by name: a primitive with no handler)
+    if not rules_of(primitive).batches:
+        if primitive in _ORIGINAL:
+            _tracing.set_batching_rule(primitive, _ORIGINAL.pop(primitive))
+        return
+    if primitive in _ORIGINAL:
+        return  # (the rule reads the record each time)
+    original = _ORIGINAL[primitive] = _tracing.batching_rule(primitive)
+
+    def rule(axis_data, args, dims, **params):
+        rules = rules_of(primitive)
+        if rules.batching_guard is not None:
+            rules.batching_guard(axis_data, dims, params)
+        exposer = rules.exposer
+        if exposer is None or not _params_hold_marks(params):
+            if not rules.stacking:
+                return original(axis_data, args, dims, **params)
+            with _cotangents.loop_batched():
+                return original(axis_data, args, dims, **params)
+        with _cotangents.kept():  # (their marks' cotangents are read where used)
+            return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
+
+    _tracing.set_batching_rule(primitive, rule)
 
 
-def register_stacking(primitive: jex.Primitive) -> None:
-    """Declare `primitive` a loop that stacks its body's marks, one row per iteration (as
-    `scan`): `_cotangents.loops_batched` counts it while JAX batches it."""
-    _STACKING.add(primitive)
-    batching_entry(primitive)
-
-
-def register_batching_guard(primitive: jex.Primitive, guard: Callable) -> None:
-    """Run `guard(axis_data, dims, params)` before `primitive` is batched (it raises where the
-    batching would be wrong), whatever else batches it. Kept by `unregister_handler`."""
-    batching_entry(primitive).guards.append(guard)
-
-
-@dataclasses.dataclass
-class _Batching:
-    original: Callable | None  # JAX's own rule
-    exposer: Exposer | None = None
-    guards: list = dataclasses.field(default_factory=list)
-
-
-def batching_entry(primitive: jex.Primitive) -> _Batching:
-    entry = _BATCHING.get(primitive)
-    if entry is None:
-        entry = _BATCHING[primitive] = _Batching(_tracing.batching_rule(primitive))
-
-        def rule(axis_data, args, dims, **params):
-            for guard in entry.guards:
-                guard(axis_data, dims, params)
-            exposer = entry.exposer
-            if exposer is None or not _params_hold_marks(params):
-                if primitive not in _STACKING:
-                    return entry.original(axis_data, args, dims, **params)
-                with _cotangents.loop_batched():
-                    return entry.original(axis_data, args, dims, **params)
-            with _cotangents.kept():  # (their marks' cotangents are read where used)
-                return batch_traced(lambda *a: exposer(*a, **params), axis_data, args, dims)
-
-        _tracing.set_batching_rule(primitive, rule)
-    return entry
-
-
-def _settle_batching(primitive: jex.Primitive) -> None:
-    """Give JAX its own batching rule back where statax has nothing left to add."""
-    entry = _BATCHING[primitive]
-    if entry.exposer is None and not entry.guards:
-        _tracing.set_batching_rule(primitive, _BATCHING.pop(primitive).original)
+on_change(_install)
 
 
 def _params_hold_marks(params: dict) -> bool:
@@ -109,12 +87,3 @@ def _params_hold_marks(params: dict) -> bool:
     return bool(_context.PULLING.value) and any(
         find_saves(sub) for sub in _jaxprs.jaxprs_in_params(params)
     )
-
-
-def _unregistered(primitive: jex.Primitive) -> None:
-    if primitive in _BATCHING:  # its exposer goes with its handler; JAX's rule comes back
-        _BATCHING[primitive].exposer = None
-        _settle_batching(primitive)
-
-
-on_unregister(_unregistered)

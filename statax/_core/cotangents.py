@@ -85,7 +85,7 @@ def keeping() -> bool:
     return _KEEP.get()
 
 
-# How many stacking loops (`_batching.register_stacking`) `vmap` is batching now, one inside
+# How many stacking loops (`Rules.stacking`) `vmap` is batching now, one inside
 # another: for a tap left in a loop, how many loops inside the `vmap` stack its cotangent.
 _LOOPS_BATCHED: contextvars.ContextVar[int] = contextvars.ContextVar(
     "statax_loops_batched", default=0

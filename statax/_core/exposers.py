@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from .._jax import jaxprs as _jaxprs
+from . import batching as _batching  # noqa: F401  (installs the batching rules records ask for)
 from . import context as _context
-from .batching import batching_entry
 from .marks import eqn_saves, find_saves, selecting
 from .meta import StateMeta
 from .primitive import COLLECTING, IDLE, INERT, INPUT, save_inter_p
@@ -55,9 +55,11 @@ def handler_from_exposer(exposer: Exposer) -> Handler:
     return handler
 
 
-def register_exposer(primitive: jex.Primitive, exposer: Exposer, **declared) -> None:
-    """Register `exposer` both as `primitive`'s handler and, under `vmap`, as the way the
-    primitive is batched where it holds marks (see `handler_from_exposer`).
+def register_exposer(primitive: jex.Primitive, exposer: Exposer, **rules) -> None:
+    """Register `primitive`'s record with a handler made from `exposer`
+    (`handler_from_exposer`), which also runs, under `vmap`, in place of JAX's batching rule
+    where the primitive holds marks: `register_handler(primitive, handler_from_exposer(exposer),
+    exposer=exposer, **rules)`.
 
     JAX batches a `cond`, `scan` or `while` as a whole, before `pull` sees it (a batched `cond`
     even becomes a select over both branches). Where such a primitive holds marks, while a
@@ -65,10 +67,10 @@ def register_exposer(primitive: jex.Primitive, exposer: Exposer, **declared) -> 
     primitive inside holds no marks any more, so it is batched by its own rule, and the marks
     bound outside it by the mark's. Elsewhere JAX's rule runs untouched.
 
-    `declared` (`thread_state` and the flags) are `register_handler`'s.
+    `rules` are the rest of its record (`Rules`' fields). A primitive with a handler of its own
+    for the common case (`scan`) passes both: `register_handler(p, h, exposer=e, ...)`.
     """
-    register_handler(primitive, handler_from_exposer(exposer), **declared)
-    batching_entry(primitive).exposer = exposer
+    register_handler(primitive, handler_from_exposer(exposer), exposer=exposer, **rules)
 
 
 def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:

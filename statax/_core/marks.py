@@ -21,7 +21,7 @@ from . import python_rules as _python_rules
 from . import staging as _staging
 from .meta import StateMeta
 from .primitive import INPUT, collected, save_inter_p
-from .registry import declares_flags, flags_for, on_forget, rules_for
+from .registry import on_forget, rules_for
 
 __all__ = [
     "acts_on",
@@ -133,9 +133,9 @@ def known_marks(jaxpr: jex.Jaxpr, marks: tuple) -> None:
 def eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     # (`eqn` may be an equation as a trace holds it, `_staging.staged_as_held`: a finder gets it
     # as a `JaxprEqn`.)
-    _, finder = rules_for(eqn)
-    if finder is not None:
-        return tuple(finder(_staging.as_equation(eqn)))
+    rules = rules_for(eqn)
+    if rules.find_saves is not None:
+        return tuple(rules.find_saves(_staging.as_equation(eqn)))
     if not eqn.params:
         return ()
     found: tuple[StateMeta, ...] = ()
@@ -144,7 +144,7 @@ def eqn_saves(eqn: jex.JaxprEqn) -> tuple[StateMeta, ...]:
     if found:
         return found
     # What its handler declared, else statax's guess (cheap where the impl is JAX's own).
-    declared = flags_for(eqn).runs_python if declares_flags(eqn) else None
+    declared = rules.runs_python
     if not (_python_rules.runs_python(eqn) if declared is None else declared):
         return found
     return find_saves_in_impl(eqn)

@@ -24,9 +24,9 @@ def runs_python(eqn: jex.JaxprEqn) -> bool:
     lowered: its impl is its own Python function (not JAX's `apply_primitive`, which compiles
     the primitive itself), and its params hold a callable that is not a jaxpr. Such code (an
     equinox filter primitive's rule, a lineax operator's matvec) holds marks that no jaxpr
-    shows. A handler module that knows better says so (`register_handler(runs_python=...)`,
-    or `register_flags` by name: `handlers/callbacks.py` does for host callbacks and JAX's
-    PRNG primitives)."""
+    shows. A handler module that knows better says so (its record's `runs_python`,
+    by name where JAX keeps the primitive private: `handlers/callbacks.py` does for host
+    callbacks and JAX's PRNG primitives)."""
     impl = eqn.primitive.impl
     if impl is None:
         return False

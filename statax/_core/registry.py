@@ -1,16 +1,19 @@
-"""The handler registry: what statax knows of each higher-order primitive, declared where
-its handler is registered.
+"""The registry: what statax knows of each primitive, one record (`Rules`) per primitive,
+registered once, where its handler module says it (as JAX's `discharge.py` keeps one rule
+table).
 
 A handler takes an equation and returns a `Rewrite` (the one rule shape: the equation with
 the values it takes in appended to its inputs and the intermediates it exposes appended to its
-outputs, with their `StateMeta`s). Beside the handler, its module declares how `stateful`
-threads state through the primitive (`thread_state`, `runs`), where its marks are
-(`find_saves`) and what the drivers need to know of it (`Flags`: whether selections reach
-into it, whether it runs Python). No list of primitives lives anywhere else.
+outputs, with their `StateMeta`s). Beside the handler, a primitive's record says how it is
+batched where it holds marks (`exposer`, `batching_guard`, `stacking`), how `stateful` threads
+state through it (`thread_state`, `runs`, `rebinding`), where its marks are (`find_saves`),
+how often it runs its jaxprs (`trips`) and what the drivers need to know of it (`selectable`,
+`runs_python`). `rules_for(eqn)` is the one lookup. No list of primitives lives anywhere else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -22,9 +25,12 @@ __all__ = [
     "Handler",
     "Rewrite",
     "Rewritten",
+    "Rules",
     "on_forget",
     "register_family",
     "register_handler",
+    "register_rules",
+    "rules_for",
     "unregister_family",
     "unregister_handler",
 ]
@@ -59,41 +65,110 @@ Handler: TypeAlias = Callable[[jex.JaxprEqn], Rewrite]
 # A function that runs a primitive with its marks taken out (see `register_exposer`).
 Exposer: TypeAlias = Callable[..., Sequence]
 
-_HANDLERS: dict[jex.Primitive, Handler] = {}
-_FINDERS: dict[jex.Primitive, Callable[[jex.JaxprEqn], tuple[StateMeta, ...]]] = {}
-# Handlers for families of primitives, recognised by their equations:
-# (matches, handler, finder, (thread_state, runs), flags).
-_FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Handler, Callable | None, tuple, Any]] = []
-# How `stateful` threads state through a primitive, where its handler module says (see
-# `register_handler`'s `thread_state`).
-_STATE_RULES: dict[jex.Primitive, tuple[Callable | None, Callable | None]] = {}
-_ON_FORGET: list[Callable[[], None]] = []  # caches of rewrites, kept where they are made
-_ON_UNREGISTER: list[Callable[[jex.Primitive], None]] = []
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rules:
+    """Everything statax knows of one primitive (or of a family of them): one record.
 
-class Flags(NamedTuple):
-    """What a handler declares of its primitive for the drivers (see `register_handler`)."""
+    Attributes:
+        handler: how `pull` rewrites an equation of it (`Handler`), or `None`: it holds no
+            marks statax can reach (a primitive with only flags).
+        exposer: the function the handler was made from (`register_exposer`), which also runs
+            in place of JAX's batching rule where the primitive holds marks under `vmap`.
+        find_saves: for a primitive whose inner functions are not jaxprs in its params (so
+            `pull` cannot look for marks in them): `find_saves(eqn)` returns the metas of the
+            marks the equation holds. By default `pull` looks in the jaxprs of `eqn.params`.
+        thread_state: how `stateful` threads named state through an equation that reads or
+            sets it: `thread_state(eqn, invals, threading) -> outs` evaluates the equation on
+            `invals` in the current trace, threading the state of `threading` (a
+            `statax.extend.Threading`) through its functions. By default state is threaded on
+            the handler's own contract, as values that come in (`take`) and go out (`mark`),
+            each of the primitive's functions threaded on its own: right for a primitive that
+            calls its functions once, as a call does. A loop (state carried) or a branch (state
+            selected) needs a rule.
+        runs: for a primitive whose functions are not jaxprs in its params (an equinox filter
+            primitive runs Python functions it holds): `runs(eqn)` traces what an equation
+            runs, as a jaxpr of the equation's inputs and outputs (or `None`). Under
+            `stateful` the state its functions read and set shows there, and an equation whose
+            functions touch state is evaluated by threading that jaxpr (as a call).
+        rebinding: how `stateful` binds again an equation on values whose types may differ
+            from those it was traced with: `rebinding(eqn, invals) -> outs` (a value read from
+            state may vary over a `shard_map`'s manual axes where the traced one did not).
+        batching_guard: `guard(axis_data, dims, params)`, run before the primitive is batched,
+            whatever else batches it: it raises where the batching would be wrong
+            (`batched_state_guard` makes one).
+        stacking: whether it is a loop that stacks its body's marks, one row per iteration (as
+            `scan`): cotangents read under `vmap` count it while JAX batches it.
+        trips: how many times an equation runs its inner jaxprs per run of its own, for
+            `stx.sites`: `trips(eqn) -> int`, or `None` where that is not known when it is
+            traced (a `while_loop`). Without a rule, once.
+        selectable: whether selections (`stx.scopes`, `stx.lines`, `stx.primitives`) reach
+            into the jaxprs in its params: an equation whose jaxprs are evaluated again, with
+            marks in them, must take them as it took the old ones (the same inputs and
+            outputs), as a call, a loop or a branch does. Elsewhere a selection of a place
+            inside is an error that names the primitive.
+        runs_python: whether its rules may run Python functions held in its params, whose
+            marks no jaxpr shows (`pull` then traces its impl to find them). `None`: statax
+            decides from its impl and params (`python_rules.runs_python`); `False` for a
+            primitive whose impl runs only its jaxprs (a call, a loop, a branch) or only JAX's
+            own functions or a host callback.
+    """
 
+    handler: Handler | None = None
+    exposer: Exposer | None = None
+    find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None
+    thread_state: Callable | None = None
+    runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None
+    rebinding: Callable[[jex.JaxprEqn, list], list] | None = None
+    batching_guard: Callable | None = None
+    stacking: bool = False
+    trips: Callable[[jex.JaxprEqn], int | None] | None = None
     selectable: bool = False
     runs_python: bool | None = None
 
+    def runs_of(self, eqn: jex.JaxprEqn) -> int | None:
+        """How many times `eqn` runs its inner jaxprs (`trips`; 1 without a rule)."""
+        return 1 if self.trips is None else self.trips(eqn)
 
-_FLAGS: dict[jex.Primitive, Flags] = {}
-_NO_FLAGS = Flags()
-_family_flags = False  # whether any family declared flags
+    @property
+    def batches(self) -> bool:
+        """Whether statax's batching rule stands in for JAX's."""
+        return self.exposer is not None or self.batching_guard is not None or self.stacking
+
+
+NO_RULES = Rules()  # a primitive statax knows nothing of
+
+# primitive -> its record; or, for a primitive that JAX keeps private, its name -> its record.
+_RULES: dict[jex.Primitive | str, Rules] = {}
+# Records for families of primitives, recognised by their equations: (matches, rules).
+_FAMILIES: list[tuple[Callable[[jex.JaxprEqn], bool], Rules]] = []
+_ON_FORGET: list[Callable[[], None]] = []  # caches of rewrites, kept where they are made
+_ON_CHANGE: list[Callable[[jex.Primitive | str], None]] = []
+
+
+def register_rules(primitive: jex.Primitive | str, rules: Rules) -> None:
+    """The one registration: `rules` is everything statax knows of `primitive` (a
+    `jax.extend.core.Primitive`, or the name of one that JAX keeps private), in place of any
+    record it had."""
+    if not isinstance(primitive, (jex.Primitive, str)):
+        raise TypeError(
+            f"statax registers rules for a jax.extend.core.Primitive, got {primitive!r}. Pass "
+            "the primitive object itself, e.g. jax.extend.core.primitives.closed_call_p (or, "
+            "for one that JAX keeps private, its name)."
+        )
+    if not isinstance(rules, Rules):
+        raise TypeError(f"register_rules needs a statax.extend.Rules, got {rules!r}")
+    if rules.handler is not None and not callable(rules.handler):
+        raise TypeError(f"a handler must be callable, got {rules.handler!r}")
+    _RULES[primitive] = rules
+    _changed(primitive)
 
 
 def register_handler(
-    primitive: jex.Primitive,
-    handler: Handler | None = None,
-    *,
-    find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
-    thread_state: Callable | None = None,
-    runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
-    selectable: bool = False,
-    runs_python: bool | None = None,
+    primitive: jex.Primitive, handler: Handler | None = None, **rules: Any
 ) -> Handler | Callable[[Handler], Handler]:
-    """Teach `pull` to see inside a higher-order primitive.
+    """Teach `pull` to see inside a higher-order primitive: register its record, `Rules(handler=
+    handler, **rules)`.
 
     A handler takes an equation of `primitive` and returns a `Rewrite(new_eqn, outs, ins)`:
     `new_eqn` takes the original inputs followed by the flat leaves of the values in `ins`, and
@@ -102,38 +177,15 @@ def register_handler(
     rebuild the equation; loops and branches are written as exposers (`register_exposer`).
 
     Usable directly, `register_handler(my_p, my_handler)`, or as a decorator,
-    `@register_handler(my_p)`. Registering again replaces the previous handler;
+    `@register_handler(my_p)`. Registering again replaces the whole record;
     `unregister_handler` removes it.
 
     Args:
         primitive: the primitive, e.g. `jax.extend.core.primitives.cond_p`.
         handler: the handler; if omitted, `register_handler` returns a decorator.
-        find_saves: for a primitive whose inner functions are not jaxprs in its params
-            (so `pull` cannot look for marks in them): `find_saves(eqn)` returns the metas
-            of the marks the equation holds. By default `pull` looks in the jaxprs of
-            `eqn.params`.
-        thread_state: how `stateful` threads named state through an equation of
-            `primitive` that reads or sets it: `thread_state(eqn, invals, threading) -> outs`
-            evaluates the equation on `invals` in the current trace, threading the state of
-            `threading` (a `statax.extend.Threading`) through its functions. By default
-            state is threaded on the handler's own contract, as values that come in
-            (`take`) and go out (`mark`), each of the primitive's functions threaded on its
-            own: right for a primitive that calls its functions once, as a call does. A
-            loop (state carried) or a branch (state selected) needs a rule.
-        runs: for a primitive whose functions are not jaxprs in its params (an equinox
-            filter primitive runs Python functions it holds): `runs(eqn)` traces what an
-            equation runs, as a jaxpr of the equation's inputs and outputs (or `None`). Under
-            `stateful` the state its functions read and set shows there, and an equation
-            whose functions touch state is evaluated by threading that jaxpr (as a call).
-        selectable: whether selections (`stx.scopes`, `stx.lines`, `stx.primitives`) reach
-            into the jaxprs in its params: an equation whose jaxprs are evaluated again, with
-            marks in them, must take them as it took the old ones (the same inputs and
-            outputs), as a call, a loop or a branch does. Elsewhere a selection of a place
-            inside is an error that names the primitive.
-        runs_python: whether its rules may run Python functions held in its params, whose
-            marks no jaxpr shows (`pull` then traces its impl to find them). `None`: statax
-            decides from its impl and params (`_python_rules.runs_python`); `False` for a
-            primitive whose impl runs only its jaxprs (a call, a loop, a branch).
+        **rules: the rest of its record (`Rules`' fields: `find_saves`, `thread_state`,
+            `runs`, `rebinding`, `batching_guard`, `stacking`, `trips`, `selectable`,
+            `runs_python`, and `exposer`).
 
     Returns:
         The handler (or the decorator).
@@ -145,61 +197,57 @@ def register_handler(
         )
 
     def register(h: Handler) -> Handler:
-        if not callable(h):
-            raise TypeError(f"a handler must be callable, got {h!r}")
-        _HANDLERS[primitive] = h
-        _FINDERS.pop(primitive, None)
-        _STATE_RULES.pop(primitive, None)
-        _FLAGS[primitive] = Flags(selectable, runs_python)
-        if find_saves is not None:
-            _FINDERS[primitive] = find_saves
-        if thread_state is not None or runs is not None:
-            _STATE_RULES[primitive] = (thread_state, runs)
-        _forget_rewrites()
+        register_rules(primitive, Rules(handler=h, **rules))
         return h
 
     return register if handler is None else register(handler)
 
 
-def unregister_handler(primitive: jex.Primitive) -> None:
-    """Remove `primitive`'s handler (and, for an exposer, give JAX its batching rule back):
-    `pull` then treats its equations as it treats any primitive without one."""
-    _HANDLERS.pop(primitive, None)
-    _FINDERS.pop(primitive, None)
-    _STATE_RULES.pop(primitive, None)
-    _FLAGS.pop(primitive, None)
-    for callback in _ON_UNREGISTER:
-        callback(primitive)
-    _forget_rewrites()
+def unregister_handler(primitive: jex.Primitive | str) -> None:
+    """Remove `primitive`'s record (and give JAX its batching rule back): statax then treats its
+    equations as it treats any primitive it knows nothing of."""
+    if _RULES.pop(primitive, None) is not None:
+        _changed(primitive)
 
 
-def register_family(
-    matches: Callable[[jex.JaxprEqn], bool],
-    handler: Handler,
-    *,
-    find_saves: Callable[[jex.JaxprEqn], tuple[StateMeta, ...]] | None = None,
-    thread_state: Callable | None = None,
-    runs: Callable[[jex.JaxprEqn], jex.ClosedJaxpr | None] | None = None,
-    selectable: bool = False,
-    runs_python: bool | None = None,
-) -> None:
+def register_family(matches: Callable[[jex.JaxprEqn], bool], handler: Handler, **rules) -> None:
     """`register_handler` for a family of primitives that is open-ended (every equinox filter
-    primitive, whichever library defines it): `handler` (and `find_saves`, `thread_state`,
-    `runs` and the flags) serve every equation of a primitive with no handler of its own for
-    which `matches(eqn)` is true."""
-    flags = Flags(selectable, runs_python)
-    global _family_flags
-    _FAMILIES.append((matches, handler, find_saves, (thread_state, runs), flags))
-    _family_flags = any(f[4] != _NO_FLAGS for f in _FAMILIES)
+    primitive, whichever library defines it): the record `Rules(handler=handler, **rules)`
+    serves every equation of a primitive with no record of its own for which `matches(eqn)` is
+    true. (Batching a family is JAX's: its record has no `exposer`, guard or `stacking`.)"""
+    family = Rules(handler=handler, **rules)
+    if family.batches:
+        raise ValueError(
+            "a family's record cannot change how JAX batches its primitives (exposer, "
+            "batching_guard, stacking): register those per primitive."
+        )
+    _FAMILIES.append((matches, family))
     _forget_rewrites()
 
 
 def unregister_family(matches: Callable[[jex.JaxprEqn], bool]) -> None:
     """Remove the family registered with `matches`."""
-    global _family_flags
     _FAMILIES[:] = [f for f in _FAMILIES if f[0] is not matches]
-    _family_flags = any(f[4] != _NO_FLAGS for f in _FAMILIES)
     _forget_rewrites()
+
+
+def rules_for(eqn: jex.JaxprEqn) -> Rules:
+    """The one lookup: `eqn`'s record, its primitive's (or its name's), else its family's, else
+    `NO_RULES`."""
+    rules = _RULES.get(eqn.primitive)
+    if rules is None:
+        rules = _RULES.get(eqn.primitive.name)
+        if rules is None:
+            for matches, family in _FAMILIES:
+                if matches(eqn):
+                    return family
+            return NO_RULES
+    return rules
+
+
+def rules_of(primitive: jex.Primitive) -> Rules:
+    """`primitive`'s own record (not a family's), or `NO_RULES`."""
+    return _RULES.get(primitive, NO_RULES)
 
 
 def on_forget(callback: Callable[[], None]) -> None:
@@ -207,110 +255,19 @@ def on_forget(callback: Callable[[], None]) -> None:
     _ON_FORGET.append(callback)
 
 
-_REBINDINGS: dict[str, Callable] = {}
+def on_change(callback: Callable[[jex.Primitive | str], None]) -> None:
+    """Call `callback(primitive)` whenever a primitive's record is registered or removed (for
+    what is installed with it in JAX: its batching rule)."""
+    _ON_CHANGE.append(callback)
 
 
-def register_rebinding(name: str, rule: Callable[[jex.JaxprEqn, list], list]) -> None:
-    """Teach `stateful` to bind again an equation of the primitive called `name` on values
-    whose types may differ from those it was traced with: `rule(eqn, invals) -> outs`.
-
-    `stateful` evaluates a traced program again with its state's current values in place of
-    the traced reads, and a value read from state may, say, vary over a `shard_map`'s manual
-    axes where the traced value did not (`handlers.shard_map` registers `pvary` and `pcast`).
-    By name, for primitives that JAX keeps private."""
-    _REBINDINGS[name] = rule
-
-
-def rebinding_for(eqn: jex.JaxprEqn) -> Callable | None:
-    """The rule `register_rebinding` gave `eqn`'s primitive, or `None`."""
-    return _REBINDINGS.get(eqn.primitive.name)
-
-
-_TRIPS: dict[str, Callable[[jex.JaxprEqn], int | None]] = {}
-
-
-def register_trips(name: str, rule: Callable[[jex.JaxprEqn], int | None]) -> None:
-    """Tell `stx.sites` how many times an equation of the primitive called `name` runs its
-    inner jaxprs per run of its own: `rule(eqn) -> int`, or `None` where that is not known when
-    it is traced (a `while_loop`). Without a rule, once."""
-    _TRIPS[name] = rule
-
-
-def trips_for(eqn: jex.JaxprEqn) -> int | None:
-    """How many times `eqn` runs its inner jaxprs (`register_trips`; 1 without a rule)."""
-    rule = _TRIPS.get(eqn.primitive.name)
-    return 1 if rule is None else rule(eqn)
-
-
-def on_unregister(callback: Callable[[jex.Primitive], None]) -> None:
-    """Call `callback(primitive)` whenever a primitive's handler is removed (for what was
-    installed with it elsewhere: a batching rule)."""
-    _ON_UNREGISTER.append(callback)
+def _changed(primitive) -> None:
+    for callback in _ON_CHANGE:
+        callback(primitive)
+    _forget_rewrites()
 
 
 def _forget_rewrites() -> None:
     """Drop every cached search and rewrite: a new handler may see what the old ones could not."""
     for callback in _ON_FORGET:
         callback()
-
-
-def rules_for(eqn: jex.JaxprEqn) -> tuple[Handler | None, Callable | None]:
-    """`(handler, finder)` for `eqn`: its primitive's, else its family's, else `(None, None)`."""
-    handler = _HANDLERS.get(eqn.primitive)
-    if handler is not None:
-        return handler, _FINDERS.get(eqn.primitive)
-    for matches, handler, finder, _, _ in _FAMILIES:
-        if matches(eqn):
-            return handler, finder
-    return None, None
-
-
-def handler_for(eqn: jex.JaxprEqn) -> Handler | None:
-    """`eqn`'s handler: its primitive's, else its family's, else `None`."""
-    return rules_for(eqn)[0]
-
-
-def state_rules_for(eqn: jex.JaxprEqn) -> tuple[Callable | None, Callable | None]:
-    """`(thread_state, runs)` for `eqn` (see `register_handler`): its primitive's, else its
-    family's, else `(None, None)`."""
-    if eqn.primitive in _STATE_RULES:
-        return _STATE_RULES[eqn.primitive]
-    if eqn.primitive in _HANDLERS:
-        return None, None
-    for matches, _, _, rules, _ in _FAMILIES:
-        if matches(eqn):
-            return rules
-    return None, None
-
-
-_NAMED_FLAGS: dict[str, Flags] = {}
-
-
-def register_flags(name: str, *, selectable: bool = False, runs_python: bool | None = None):
-    """Declare what the drivers need to know of the primitive called `name`, one that has no
-    handler (it holds no marks) and that JAX keeps private: `register_handler`'s flags. A host
-    callback, say, holds a Python function that runs on values on the host, never one whose
-    marks `pull` could collect: `register_flags("pure_callback", runs_python=False)`."""
-    _NAMED_FLAGS[name] = Flags(selectable, runs_python)
-    _forget_rewrites()
-
-
-def declares_flags(eqn: jex.JaxprEqn) -> bool:
-    """Whether flags were declared for `eqn`'s primitive itself (by its handler, or by name),
-    or a family declared any (a quick test before `flags_for`, which looks through the
-    families)."""
-    return eqn.primitive in _FLAGS or eqn.primitive.name in _NAMED_FLAGS or _family_flags
-
-
-def flags_for(eqn: jex.JaxprEqn) -> Flags:
-    """What `eqn`'s handler declared of its primitive (see `register_handler`): its
-    primitive's (or what `register_flags` declared by its name), else its family's, else the
-    defaults (nothing declared)."""
-    flags = _FLAGS.get(eqn.primitive) or _NAMED_FLAGS.get(eqn.primitive.name)
-    if flags is not None:
-        return flags
-    if eqn.primitive not in _HANDLERS:
-        for matches, _, _, _, family_flags in _FAMILIES:
-            if matches(eqn):
-                return family_flags
-    return _NO_FLAGS

@@ -246,7 +246,7 @@ def _pull(jaxpr: jex.Jaxpr) -> Rewritten:
             return invars if eqn.outvars else []  # (an idle mark has none)
         if not inner:
             return keep(eqn, invars, emit)
-        handler, _ = rules_for(eqn)
+        handler = rules_for(eqn).handler
         if handler is None:
             in_rules = not any(_jaxprs.jaxprs_in_params(eqn.params))
             raise UnhandledPrimitiveError(eqn.primitive, inner, in_rules=in_rules)

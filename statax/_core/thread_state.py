@@ -28,16 +28,15 @@ from jax.extend import core as jex
 
 from .._jax import jaxprs as _jaxprs
 from . import context as _context
-from .batching import register_batching_guard
 from .errors import StateError
 from .evaluator import bind_equation, equations, evaluate
 from .exposers import inert, map_jaxprs, mark, split_leaves, take
 from .meta import StateMeta
 from .primitive import IDLE, stage_mark
-from .registry import handler_for, rebinding_for, state_rules_for
+from .registry import rules_for
 from .state import get_state_p, kind_of, set_state_p
 
-__all__ = ["Threading", "refuse_batched_state", "run"]
+__all__ = ["Threading", "batched_state_guard", "run"]
 
 
 # ---- the threading interpreter --------------------------------------------------------------
@@ -119,7 +118,7 @@ def _inner(eqn) -> list:
 
 def _ran_jaxpr(eqn):
     """What a primitive whose functions are Python runs, traced (`runs`), or `None`."""
-    runs = state_rules_for(eqn)[1]
+    runs = rules_for(eqn).runs
     return None if runs is None else _ran(eqn, runs)
 
 
@@ -149,18 +148,17 @@ def run(jaxpr, consts, args, env: dict, log: Log) -> list:
             env[meta.name] = Slot(meta, tuple(invals))
             log.set(meta.name)
             return invals
-        rebind = rebinding_for(eqn)
-        if rebind is not None:  # its operands may have other types than when it was traced
-            return rebind(eqn, invals)
+        rules = rules_for(eqn)
+        if rules.rebinding is not None:  # its operands may have other types than when traced
+            return rules.rebinding(eqn, invals)
         if not _holds_state(eqn):
             return bind_equation(eqn, invals)
-        rule, runs = state_rules_for(eqn)
-        if rule is not None:
-            return rule(eqn, invals, Threading(env, log))
-        if runs is not None:  # what it runs, threaded as a call
-            return run(*_closed(_ran(eqn, runs)), invals, env, log)
-        if (handler := handler_for(eqn)) is not None:
-            return _on_handler_contract(eqn, invals, Threading(env, log), handler)
+        if rules.thread_state is not None:
+            return rules.thread_state(eqn, invals, Threading(env, log))
+        if rules.runs is not None:  # what it runs, threaded as a call
+            return run(*_closed(_ran(eqn, rules.runs)), invals, env, log)
+        if rules.handler is not None:
+            return _on_handler_contract(eqn, invals, Threading(env, log), rules.handler)
         inner = [state_names(sub) for sub in _jaxprs.jaxprs_in_params(eqn.params)]
         used = sorted({n for i in inner for n in (*i.reads, *i.writes)})
         raise StateError(
@@ -432,13 +430,12 @@ def _on_handler_contract(eqn, invals, threading: Threading, handler) -> list:
     return list(flat[:n])
 
 
-def refuse_batched_state(
-    primitive: jex.Primitive, predicate_batched: Callable, *, what: str, runs: str
-) -> None:
-    """Refuse, inside `stx.stateful`, to batch an equation of `primitive` (a `what`) whose
-    jaxprs read or set state where `predicate_batched(axis_data, params, dims)`: JAX then runs
-    `runs` ("every branch") for every example and selects, so each would set the state. A
-    `StateError` says so, not a silently wrong state (see `register_batching_guard`)."""
+def batched_state_guard(predicate_batched: Callable, *, what: str, runs: str) -> Callable:
+    """A primitive's `batching_guard` (see `statax.extend.Rules`) that refuses, inside
+    `stx.stateful`, to batch an equation (a `what`) whose jaxprs read or set state where
+    `predicate_batched(axis_data, params, dims)`: JAX then runs `runs` ("every branch") for
+    every example and selects, so each would set the state. A `StateError` says so, not a
+    silently wrong state."""
 
     def guard(axis_data, dims, params):
         if _context.STATEFUL.value is None or not any(
@@ -452,4 +449,4 @@ def refuse_batched_state(
                 "it. Apply the vmap outside: jax.vmap(stx.stateful(f))."
             )
 
-    register_batching_guard(primitive, guard)
+    return guard

@@ -22,7 +22,7 @@ from .._core.exposers import map_jaxprs
 from .._core.flat_calls import flat_function
 from .._core.meta import ARRAY, StateMeta
 from .._core.primitive import COLLECTING, LEAF, SAVE_EFFECTS, mark_as, save_inter_p
-from .._core.registry import flags_for
+from .._core.registry import rules_for
 from .._jax import jaxprs as _jaxprs
 from .report import check_found
 from .running import marks_found, run_marked
@@ -143,7 +143,7 @@ def _plan(eqns: Sequence, outvars: Sequence, stack: tuple, chosen: tuple) -> _Pl
         going_on = tuple(s for s, out in zip(chosen, outside, strict=True) if i in out)
         inner_stack = stack_of(stack, eqn)
         if going_on and any(_matches_in(sub, inner_stack, going_on) for sub in subs):
-            if not flags_for(eqn).selectable:  # (declared where its handler is registered)
+            if not rules_for(eqn).selectable:  # (its record, where its handler is registered)
                 raise SelectionError(
                     f"{describe_selections(going_on)} selects values inside `{eqn.primitive}` (at "
                     f"{location_of(eqn)}), which a selection does not reach into. Select the "

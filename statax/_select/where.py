@@ -14,7 +14,7 @@ from typing import Any
 from jax.extend import core as jex
 from jax.extend import source_info_util as source_info_api
 
-from .._core.registry import trips_for
+from .._core.registry import rules_for
 from .._core.tracebacks import place
 from .._jax import jaxprs as _jaxprs
 
@@ -111,13 +111,14 @@ def walk_counted(
 ) -> Iterator[tuple[tuple, Any, int | None]]:
     """`(stack, eqn, trips)` of every equation at any depth, `stack` the name stack's elements
     around it and `trips` the product of the iterations of the loops around it
-    (`register_trips`; `None` inside a `while_loop`, or where `trips` is `None`: not counted)."""
+    (its record's `trips`; `None` inside a `while_loop`, or where `trips` is `None`: not
+    counted)."""
     for eqn in eqns:
         yield stack, eqn, trips
         inner = None
         for sub in _jaxprs.jaxprs_in_params(eqn.params):
             if inner is None and trips is not None:
-                count = trips_for(eqn)
+                count = rules_for(eqn).runs_of(eqn)
                 inner = None if count is None else trips * count
             sub = sub.jaxpr if _jaxprs.wraps_jaxpr(sub) else sub
             yield from walk_counted(sub.eqns, stack_of(stack, eqn), inner)

@@ -1,9 +1,9 @@
 """`statax.extend`: what a handler author needs, in the spirit of `jax.extend`.
 
 The user API (`save_inter`, `pull`, ...) is at the top level of `statax`. This module holds the
-rest: the handler contract (`Rewrite`, `register_handler`, `register_exposer`, ...), the walk
-(`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two namespaces:
-`statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
+rest: the handler contract (`Rewrite`, `Rules`, `register_handler`, `register_exposer`, ...),
+the walk (`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two
+namespaces: `statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
 whatever the JAX version names them) and `statax.extend.reductions` (the reduction modes).
 Every built-in handler in `statax/handlers/` is written with these names only, JAX's public
 API and its own library (an allowlist that `tests/test_layers.py` checks). `statax.extend`
@@ -12,8 +12,6 @@ above them. `statax.extend.equinox` holds what statax knows of equinox's private
 (its filter primitives, `noinline` and the masking of its loops' state).
 """
 
-from .._core.batching import register_batching_guard as register_batching_guard
-from .._core.batching import register_stacking as register_stacking
 from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
@@ -43,12 +41,11 @@ from .._core.registry import Exposer as Exposer
 from .._core.registry import Handler as Handler
 from .._core.registry import Rewrite as Rewrite
 from .._core.registry import Rewritten as Rewritten
+from .._core.registry import Rules as Rules
 from .._core.registry import on_forget as on_forget
 from .._core.registry import register_family as register_family
-from .._core.registry import register_flags as register_flags
 from .._core.registry import register_handler as register_handler
-from .._core.registry import register_rebinding as register_rebinding
-from .._core.registry import register_trips as register_trips
+from .._core.registry import register_rules as register_rules
 from .._core.registry import unregister_family as unregister_family
 from .._core.registry import unregister_handler as unregister_handler
 from .._core.rewrite import call_equation as call_equation
@@ -57,7 +54,7 @@ from .._core.rewrite import pull_jaxpr as pull_jaxpr
 from .._core.rewrite import pull_open_jaxpr as pull_open_jaxpr
 from .._core.rewrite import restage_equation as restage_equation
 from .._core.thread_state import Threading as Threading
-from .._core.thread_state import refuse_batched_state as refuse_batched_state
+from .._core.thread_state import batched_state_guard as batched_state_guard
 from .._jax.jaxprs import bind as bind
 from .._jax.jaxprs import dce as dce
 from .._jax.jaxprs import trace as trace
@@ -82,6 +79,7 @@ __all__ = [
     "REMAT_PRIMITIVE",
     "Rewrite",
     "Rewritten",
+    "Rules",
     "SHARD_MAP_PRIMITIVE",
     "StateError",
     "StateMeta",
@@ -89,6 +87,7 @@ __all__ = [
     "Threading",
     "acts_on",
     "batched_outputs",
+    "batched_state_guard",
     "bind",
     "call_equation",
     "current_selection",
@@ -113,15 +112,10 @@ __all__ = [
     "pulled_with_rule",
     "pulling",
     "reductions",
-    "refuse_batched_state",
-    "register_batching_guard",
     "register_exposer",
     "register_family",
-    "register_flags",
     "register_handler",
-    "register_rebinding",
-    "register_stacking",
-    "register_trips",
+    "register_rules",
     "restage_equation",
     "save_inter_p",
     "split_leaves",

@@ -30,16 +30,13 @@ from statax.extend import (
     pull_jaxpr,
     pull_open_jaxpr,
     register_handler,
+    wraps_jaxpr,
 )
 
 
-def _closed_call_handler(eqn):
-    inner = pull_jaxpr(params.call_jaxpr(eqn.params))
-    return extend_equation(eqn, inner, **params.call_params(eqn.params, inner.jaxpr))
-
-
-def _open_call_handler(eqn):  # `call` and `checkpoint` keep an open jaxpr
-    inner = pull_open_jaxpr(params.call_jaxpr(eqn.params))
+def _call_handler(eqn):  # `call` and `checkpoint` keep an open jaxpr, `closed_call` a closed one
+    jaxpr = params.call_jaxpr(eqn.params)
+    inner = (pull_jaxpr if wraps_jaxpr(jaxpr) else pull_open_jaxpr)(jaxpr)
     return extend_equation(eqn, inner, **params.call_params(eqn.params, inner.jaxpr))
 
 
@@ -68,7 +65,8 @@ def _remat_state(eqn, invals, threading):
 
 # A call runs its jaxpr and nothing else: selections reach into it, and it runs no Python.
 _CALL = {"selectable": True, "runs_python": False}
-register_handler(closed_call_p, _closed_call_handler, thread_state=_call_state, **_CALL)
-register_handler(call_p, _open_call_handler, thread_state=_call_state, **_CALL)
-register_handler(REMAT_PRIMITIVE, _open_call_handler, thread_state=_remat_state, **_CALL)
+# (`call_p` is `closed_call_p` since JAX 0.12: one primitive, one record.)
+for _call in dict.fromkeys((closed_call_p, call_p)):
+    register_handler(_call, _call_handler, thread_state=_call_state, **_CALL)
+register_handler(REMAT_PRIMITIVE, _call_handler, thread_state=_remat_state, **_CALL)
 register_handler(JIT_PRIMITIVE, _jit_handler, thread_state=_jit_state, **_CALL)

@@ -26,12 +26,12 @@ from jax.extend.core.primitives import cond_p
 from statax.extend import (
     StateError,
     StateMeta,
+    batched_state_guard,
     kinds_str,
     mark,
     occurrences,
     params,
     pull_jaxpr,
-    refuse_batched_state,
     register_exposer,
     split_leaves,
     take,
@@ -161,12 +161,15 @@ def _cond_state(eqn, invals, threading):
 
 
 # A branch runs its jaxprs and nothing else: selections reach into them, and it runs no Python.
-register_exposer(
-    cond_p, _cond_exposer, thread_state=_cond_state, selectable=True, runs_python=False
-)
-
-
 # A batched predicate: JAX runs every branch for every example and selects.
-refuse_batched_state(
-    cond_p, lambda axis_data, params, dims: dims[0] is not None, what="cond", runs="every branch"
+BATCHING_GUARD = batched_state_guard(
+    lambda axis_data, params, dims: dims[0] is not None, what="cond", runs="every branch"
+)
+register_exposer(
+    cond_p,
+    _cond_exposer,
+    thread_state=_cond_state,
+    batching_guard=BATCHING_GUARD,
+    selectable=True,
+    runs_python=False,
 )

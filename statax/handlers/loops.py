@@ -46,17 +46,15 @@ from jax.extend.core.primitives import scan_p, while_p
 from statax.extend import (
     StateError,
     batched_outputs,
+    batched_state_guard,
     equations,
     handler_from_exposer,
     mark,
     params,
     pull_jaxpr,
     reductions,
-    refuse_batched_state,
     register_exposer,
     register_handler,
-    register_stacking,
-    register_trips,
     restage_equation,
     split_leaves,
     take,
@@ -227,7 +225,6 @@ def _unstack_reduced(metas, stacked, flat=True):
 
 # A loop runs its jaxprs and nothing else: selections reach into them, and it runs no Python.
 _LOOP = {"selectable": True, "runs_python": False}
-register_exposer(scan_p, _scan_exposer, **_LOOP)
 _scan_traced = handler_from_exposer(_scan_exposer)
 
 
@@ -277,9 +274,17 @@ def _scan_state(eqn, invals, threading):
     return [*carry_out, *ys]
 
 
-register_handler(scan_p, _scan_handler, thread_state=_scan_state, **_LOOP)
-register_trips(scan_p.name, lambda eqn: eqn.params["length"])
-register_stacking(scan_p)
+# The common case by its own handler, the rest (and `vmap`) by the exposer; the loop stacks its
+# body's marks, and runs it `length` times.
+register_handler(
+    scan_p,
+    _scan_handler,
+    exposer=_scan_exposer,
+    thread_state=_scan_state,
+    stacking=True,
+    trips=lambda eqn: eqn.params["length"],
+    **_LOOP,
+)
 
 
 def _while_exposer(*args, **eqn_params):
@@ -348,10 +353,6 @@ def _while_state(eqn, invals, threading):
     return carry_out
 
 
-register_exposer(while_p, _while_exposer, thread_state=_while_state, **_LOOP)
-register_trips(while_p.name, lambda eqn: None)  # (as many as its predicate says)
-
-
 def _predicate_batched(axis_data, eqn_params, dims) -> bool:
     cond, body, cn, bn = params.while_parts(eqn_params)
     batched = [d is not None for d in dims]
@@ -365,8 +366,18 @@ def _predicate_batched(axis_data, eqn_params, dims) -> bool:
     return batched_outputs(cond, axis_data, [*cconsts, *carry])[0]
 
 
-# A predicate batched after any number of iterations: JAX runs every iteration for every example.
-refuse_batched_state(while_p, _predicate_batched, what="while_loop", runs="every iteration")
+# It runs its body as many times as its predicate says (not known when traced). A predicate
+# batched after any number of iterations: JAX runs every iteration for every example.
+register_exposer(
+    while_p,
+    _while_exposer,
+    thread_state=_while_state,
+    trips=lambda eqn: None,
+    batching_guard=batched_state_guard(
+        _predicate_batched, what="while_loop", runs="every iteration"
+    ),
+    **_LOOP,
+)
 
 
 # ---- equinox's loops: how they look in a jaxpr (equinox 0.13, `equinox.internal._loop`) --------

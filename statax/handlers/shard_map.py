@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from statax.extend import (
     SHARD_MAP_PRIMITIVE,
+    Rules,
     bind,
     handler_from_exposer,
     mark,
@@ -32,7 +33,7 @@ from statax.extend import (
     pull_open_jaxpr,
     reductions,
     register_handler,
-    register_rebinding,
+    register_rules,
     split_leaves,
     take,
     vary,
@@ -164,5 +165,5 @@ def _rebind_vary(eqn, args):
     return [vary(x, axes) for x in args]
 
 
-register_rebinding("pvary", _rebind_vary)
-register_rebinding("pcast", _rebind_vary)
+register_rules("pvary", Rules(rebinding=_rebind_vary))
+register_rules("pcast", Rules(rebinding=_rebind_vary))

@@ -45,7 +45,7 @@ def test_debug_print_and_random_keys_beside_marks(capsys):
 
 
 def test_callbacks_and_prng_are_declared_to_run_no_marking_python():
-    from statax._core.registry import flags_for
+    from statax._core.registry import rules_for
 
     def f(x, key):
         jax.debug.print("{}", x)
@@ -53,7 +53,7 @@ def test_callbacks_and_prng_are_declared_to_run_no_marking_python():
         return y + jax.random.normal(jax.random.wrap_key_data(jax.random.key_data(key)), x.shape)
 
     eqns = jax.make_jaxpr(f)(X, jax.random.key(0)).eqns
-    declared = {e.primitive.name: flags_for(e).runs_python for e in eqns}
+    declared = {e.primitive.name: rules_for(e).runs_python for e in eqns}
     for name in ("pure_callback", "random_wrap"):
         assert declared[name] is False, (name, declared)
     # jax.debug.print is `debug_print` in newer JAX, a `debug_callback` before
