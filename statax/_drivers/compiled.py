@@ -16,6 +16,7 @@ from .._core.flat_calls import call_plain, call_tree
 from .._core.meta import ARRAY
 from .._core.registry import on_forget
 from .._jax import primitives as _primitives
+from .._select.plan import Plan
 from . import nnx as _nnx
 from .cache import (
     is_array,
@@ -123,7 +124,8 @@ def _evaluation(root_ref, plain: bool, only, ran, at) -> Callable:
             call = call_tree if isinstance(root, type) else root
         leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs))
         with _context.RAN_MASKS(ran):
-            entry, dynamic = entry_for(root, call, leaves, treedef, only, at, at)
+            # (`at` holds places only: a pull that selects objects is not compiled so)
+            entry, dynamic = entry_for(root, call, leaves, treedef, only, at, Plan(at))
         if not one_jit(entry):
             raise _NotCompiled
         out, inters = evaluate(entry, dynamic, ran)

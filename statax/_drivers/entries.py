@@ -24,9 +24,7 @@ from .._jax import jaxprs as _jaxprs
 from .._jax import primitive_params as _params
 from .._jax import primitives as _primitives
 from .._jax import tracing as _tracing
-from .._select import objects as _objects
-from .._select import places as _places
-from .._select import running as _running
+from .._select.plan import Plan
 from .cache import (
     TRACED_PY_NUMBERS,
     arguments_key,
@@ -57,7 +55,7 @@ class Entry:
     checked: bool = False  # whether `only=` was checked against the marks (`check_only`)
 
 
-def inline(trace, call, leaves, treedef, only, ran, in_program=()):
+def inline(trace, call, leaves, treedef, only, ran, traced_places: Plan = Plan()):
     """`pull` where a jaxpr is being staged (under `jit`, `make_jaxpr`, in a loop body): the
     function is traced straight into it, as it would be unpulled. Its marks are handed over as
     they are made, and the equations that hold marks further in (a `jit`, a loop) are
@@ -71,25 +69,24 @@ def inline(trace, call, leaves, treedef, only, ran, in_program=()):
     tree, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     collector = Collector()
     start = _staging.trace_length(trace)
-    with _objects.calls_checked(lambda: metas, only):
+    with traced_places.tracing(only, lambda: metas) as chosen:
         with (
             selecting(only),
             _context.PULLING(True),
             _context.RAN_MASKS(ran),
             collecting(collector),
-            _running.run_marked(in_program) as chosen,
         ):
             collector.trace = trace
             out = call(tree, *args, **kwargs)
             collector.trace = None  # (a mark made once the function has returned is not its own)
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
-        if in_program:
+        if traced_places:
             with selecting(only):
-                _places.collected_staged(trace, start, out_leaves, collector, chosen())
+                chosen().collected_staged(trace, start, out_leaves, collector)
         new_leaves, flat, metas = pull_staged(trace, start, out_leaves, collector)
     if only is not None:
         everything = lambda: _trace(  # noqa: E731
-            None, call, leaves, treedef, *traced_avals(leaves, treedef), in_program
+            None, call, leaves, treedef, *traced_avals(leaves, treedef), traced_places
         )
         check_only(only, metas, everything)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
@@ -97,15 +94,17 @@ def inline(trace, call, leaves, treedef, only, ran, in_program=()):
     return out, named(metas, flat, ran, plans_for(metas))
 
 
-def entry_for(root, call, leaves, treedef, only, at=(), in_program=()) -> tuple[Entry, list]:
+def entry_for(
+    root, call, leaves, treedef, only, at=(), traced_places: Plan = Plan()
+) -> tuple[Entry, list]:
     """The cached trace and rewrite for these arguments (made on a miss), and the dynamic ones."""
     traced, dynamic, key = arguments_key(leaves, treedef)
     key = (only, at, *key)
-    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1], in_program)  # noqa: E731
+    make = lambda: _trace(root, call, leaves, treedef, traced, only, key[-1], traced_places)  # noqa: E731
     entry = cached(root, key, make)
     if only is not None and not entry.checked:
         everything = lambda: _trace(  # noqa: E731
-            root, call, leaves, treedef, traced, None, key[-1], in_program
+            root, call, leaves, treedef, traced, None, key[-1], traced_places
         )
         check_only(only, entry.metas, everything)
         entry.checked = True
@@ -146,7 +145,7 @@ def summarized(entry: Entry, summarize: Callable, ran: bool) -> Callable:
     return compiled
 
 
-def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> Entry:
+def _trace(root, call, leaves, treedef, traced, only, avals, places: Plan = Plan()) -> Entry:
     out_info = []
     flat_fn = flat_function(call, leaves, treedef, traced, out_info)
     collector = Collector()
@@ -159,13 +158,13 @@ def _trace(root, call, leaves, treedef, traced, only, avals, in_program=()) -> E
 
     source = root.__call__ if isinstance(root, type) else root
     # (`selecting`: in force where marks are bound, as in rebatched loops, and for the rewrite)
-    with selecting(only), _objects.calls_checked(lambda: metas, only):
-        with _context.PULLING(True), collecting(collector), _running.run_marked(in_program) as sel:
+    with selecting(only), places.tracing(only, lambda: metas) as chosen:
+        with _context.PULLING(True), collecting(collector):
             closed = _jaxprs.trace(run, avals, "pull", source)
         n = len(closed.jaxpr.outvars) - len(collector.leaves)  # the function's own outputs
         marks = collector.marks
-        if in_program:
-            closed, marks = _places.collected(closed, marks, sel())
+        if places:
+            closed, marks = chosen().collected(closed, marks)
         new, metas, ins = pull_collected(closed, marks)
     out_def, out_static = out_info[0]
     literals = tuple(

@@ -12,11 +12,10 @@ import jax.numpy as jnp
 
 from .._core.flat_calls import split_callable
 from .._core.tracebacks import boundary
-from .._select import applying as _applying
-from .._select.vocabulary import Modules, selections
+from .._select.plan import Plan
 from . import nnx as _nnx
 from .planting import Add, Planting
-from .pull import Pulled, call_pulled, pull, refuse_program_places
+from .pull import Pulled, call_pulled, pull
 
 __all__ = ["grad_inters", "plant"]
 
@@ -37,7 +36,7 @@ class _Planted(eqx.Module):
         values = {k: v for k, v in values.items() if getattr(k, "reduce", None) is None}
         planting = Planting.of(values)
         if planting.cotangents:
-            refuse_program_places(self.at)
+            Plan(self.at).refuse_cotangents("stx.plant")
         pulled = Pulled(
             self.fn,
             only=None,
@@ -106,7 +105,7 @@ def plant(fn: Callable, *, at: Any = None) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Planted(fn, selections(at))
+    return _Planted(fn, Plan.of(at).at)
 
 
 def _differentiable(value) -> bool:
@@ -163,7 +162,7 @@ def grad_inters(
         (Array(45., dtype=float32), {'h_0': Array([ 0.,  6., 12.], dtype=float32)})
     """
 
-    chosen = selections(at)
+    chosen = Plan.of(at).at
 
     @boundary
     def run(*args, **kwargs):
@@ -214,16 +213,15 @@ def _of_graph_nodes(fn, chosen, argnums, has_aux, only, args, kwargs):
             "respect to a module's parameters with nnx.grad, and those with respect to the "
             "intermediates here."
         )
-    objects = tuple(s for s in chosen if isinstance(s, Modules))
-    inner = _nnx.calling(_applying.calling(call, objects, objects=True, fn=fn))
+    plan = Plan(chosen)
+    inner = _nnx.calling(plan.objects.wrap(call, objects=True, fn=fn))
 
     def pure(packed, *args, **kwargs):
         out, state = inner(packed, *args, **kwargs)
         return (out[0], (out[1], state)) if has_aux else (out, state)
 
-    in_program = tuple(s for s in chosen if not isinstance(s, Modules))
     shifted = None if argnums is None else jax.tree.map(lambda i: i + 1, argnums)
-    value, *rest = _grad_inters(pure, in_program, shifted, True, only, (packed, *args), kwargs)
+    value, *rest = _grad_inters(pure, plan.places.at, shifted, True, only, (packed, *args), kwargs)
     loss, aux_state = value
     aux, state = aux_state if has_aux else (None, aux_state)
     _nnx.update(nodes, state)

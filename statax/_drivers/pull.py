@@ -15,14 +15,11 @@ import jax
 from .._core import context as _context
 from .._core import fastpaths as _fastpaths
 from .._core import staging as _staging
-from .._core.errors import SelectionError
 from .._core.exposers import take
 from .._core.flat_calls import split_callable
 from .._core.tracebacks import boundary
 from .._jax import tracing as _tracing
-from .._select import applying as _applying
-from .._select import objects as _objects
-from .._select import vocabulary as _vocabulary
+from .._select.plan import Plan
 from . import compiled as _compiled
 from . import nnx as _nnx
 from . import planting as _plant
@@ -80,10 +77,7 @@ class Pulled:
 def call_pulled(pulled: Pulled, args, kwargs, values=None):
     """`pulled(*args, **kwargs)`: `(out, intermediates)`; for `plant`, with `values` planted."""
     if pulled.at:  # the objects of an `of=` model mark their calls before anything is flattened
-        with (
-            _context.PLACES((*_context.PLACES.value, *pulled.at)),
-            _objects.objects_marked(pulled.at),
-        ):
+        with Plan(pulled.at).in_force():
             return _call_pulled(pulled, args, kwargs, values)
     return _call_pulled(pulled, args, kwargs, values)
 
@@ -95,18 +89,16 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
     root, tree, call = split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
-    at, in_program = pulled.at, ()
-    if at:  # marks by object where the objects are live (in NNX's merge), in the program around
-        call = _applying.calling(call, at, objects=True, fn=fn)
+    plan, traced = Plan(pulled.at), Plan()
+    if plan:  # marks by object where the objects are live (in NNX's merge), in the program around
+        call = plan.wrap(call, objects=True, fn=fn)
         # Places in the program: put into what `pull` traces; where something is planted, or
         # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
         planted = values is not None or pulled.planting is not None or _context.PLANTING.value
-        if not planted and not pulled.ran:
-            in_program = tuple(s for s in at if not isinstance(s, _vocabulary.Modules))
-            at = tuple(s for s in at if s not in in_program)
+        plan, traced = plan.split(into_trace=not planted and not pulled.ran)
     eager = (
         _fastpaths.on
-        and not at
+        and not plan
         and not pulled.cotangents
         and values is None
         and pulled.summarize is None
@@ -125,21 +117,21 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
         # Flax NNX objects: keep their reference semantics, as `nnx.jit` does.
         packed, args, kwargs, nodes = _nnx.split(leaves, treedef)
         leaves, treedef = jax.tree_util.tree_flatten((packed, args, kwargs))
-        call = _applying.calling(_nnx.calling(call), at, objects=False)
-        (out, state), inters = _run(pulled, root, call, leaves, treedef, values, False, in_program)
+        call = plan.wrap(_nnx.calling(call), objects=False)
+        (out, state), inters = _run(pulled, root, call, leaves, treedef, values, False, traced)
         _nnx.update(nodes, state)
         return out, inters
-    call = _applying.calling(call, at, objects=False)
-    return _run(pulled, root, call, leaves, treedef, values, eager, in_program)
+    call = plan.wrap(call, objects=False)
+    return _run(pulled, root, call, leaves, treedef, values, eager, traced)
 
 
-def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()):
+def _run(pulled, root, call, leaves, treedef, values, eager=False, traced: Plan = Plan()):
     only, planting, summarize, ran = pulled.only, pulled.planting, pulled.summarize, pulled.ran
     if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _staging.staging_trace()
         if trace is not None and _context.PLANTING.value is None:
             with _context.COTANGENTS(pulled.cotangents):
-                return inline(trace, call, leaves, treedef, only, ran, in_program)
+                return inline(trace, call, leaves, treedef, only, ran, traced)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     # Where the inputs are differentiated, the rules of custom derivatives run: their marks
     # are keys (see `handlers.custom_derivatives`); where they are not, there are none.
@@ -150,7 +142,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, in_program=()
         _context.RAN_MASKS(ran),
         _context.COTANGENTS(pulled.cotangents),
     ):
-        entry, dynamic = entry_for(root, call, leaves, treedef, only, pulled.at, in_program)
+        entry, dynamic = entry_for(root, call, leaves, treedef, only, pulled.at, traced)
     if eager and _compiled.one_jit(entry):
         _compiled.compile_entry(root, call, only, ran, pulled.at)
     if values is not None:  # `plant`: its values, checked against the marks
@@ -236,29 +228,15 @@ def pull(
     """
     if not callable(fn):
         raise TypeError(f"stx.pull needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    at = _vocabulary.selections(at)
+    plan = Plan.of(at)
     if cotangents:
-        refuse_program_places(at)
+        plan.refuse_cotangents("stx.pull")
     return Pulled(
         fn,
         only=selection_of(only),
         enabled=bool(enabled),
         summarize=summarize,
         ran=bool(ran),
-        at=at,
+        at=plan.at,
         cotangents=bool(cotangents),
     )
-
-
-def refuse_program_places(at: tuple) -> None:
-    """Cotangents come from marks made where their values are differentiated: module
-    selections and the scopes of Flax Linen and Keras modules are (marked as they run); other
-    places in the program are found once the function, and its derivative, are traced."""
-    for selection in at:
-        if not isinstance(selection, (_vocabulary.Modules, _vocabulary.Scopes)):
-            raise SelectionError(
-                f"stx.pull(fn, at={selection}, cotangents=True): a primitive or a line is found "
-                "in the program once its derivative is traced already, so no cotangent can be "
-                "read there. Select the module that computes it (stx.modules, or the scope of a "
-                "Flax Linen or Keras module), or mark the value with stx.save_inter."
-            )

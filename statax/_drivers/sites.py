@@ -5,7 +5,6 @@ a `pull` of it would return, found by abstract evaluation (no computation runs).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import html
 import math
 import re
@@ -20,12 +19,9 @@ from .._core import staging as _staging
 from .._core.errors import SelectionError
 from .._core.meta import RAN, KeyName
 from .._core.tracebacks import boundary
-from .._select import keras as _keras
-from .._select import linen as _linen
-from .._select import objects as _objects
 from .._select import report as _report
-from .._select import running as _running
 from .._select import vocabulary as _vocabulary
+from .._select.plan import survey, uncalled_tolerated
 from .._select.where import is_transform, location_of, short_place, stack_of, walk_counted
 from .pull import pull
 
@@ -197,7 +193,7 @@ def _shapes(fn, args, kwargs, at=(), tolerate=False) -> dict:
     pulled = pull(fn, at=list(at)) if at else pull(fn)
     if not tolerate:
         return eqx.filter_eval_shape(pulled, *args, **kwargs)[1]
-    with _objects.uncalled_tolerated():
+    with uncalled_tolerated():
         return eqx.filter_eval_shape(pulled, *args, **kwargs)[1]
 
 
@@ -244,24 +240,10 @@ def _grouped(kind: str, shapes: dict, skip: set, per_call: dict) -> list[Site]:
 
 
 def _map(fn, args, kwargs) -> Sites:
-    roots = []
-    try:
-        roots = _objects.model_roots(fn, fn, args, kwargs)
-    except SelectionError:
-        pass
-    paths = list(dict.fromkeys(p for root in roots for p in _objects.module_paths(root)))
-    modules = (_vocabulary.modules(*paths),) if paths else ()
-
-    def traced(*args, **kwargs):  # the function, its submodules marked (idly: not pulled)
-        call = functools.partial(_linen.with_linen, lambda f, *a, **k: f(*a, **k), ())
-        call = functools.partial(_keras.with_keras, call, ())  # (their modules recorded)
-        with _objects.objects_marked(modules, (fn, fn, args, kwargs)), _running.run_marked(()):
-            return call(fn, *args, **kwargs)
-
-    with _objects.calls_recorded() as called, _running.modules_recorded() as ran:
-        closed = eqx.filter_make_jaxpr(traced)(*args, **kwargs)[0]
-    everything = list(walk_counted(closed.jaxpr.eqns))
-    there = _report.places_in(closed.jaxpr.eqns)
+    surveyed = survey(fn, args, kwargs)
+    paths, called, ran = surveyed.paths, surveyed.called, surveyed.ran
+    everything = list(walk_counted(surveyed.jaxpr.jaxpr.eqns))
+    there = surveyed.places
     per_call: dict[str, int | None] = {}  # by mark name and by scope path: its first equation's
     for stack, eqn, trips in everything:
         if eqn.primitive.name == "save_inter":
@@ -285,7 +267,7 @@ def _map(fn, args, kwargs) -> Sites:
         rows += _ordered(_grouped("scope", scoped, taken, per_call), scopes)
         taken |= set(scoped)
     if paths:
-        found = _shapes(fn, args, kwargs, modules, tolerate=True)
+        found = _shapes(fn, args, kwargs, (surveyed.modules,), tolerate=True)
         rows += _ordered(_grouped("module", found, taken, per_call), list(called))
     rows += _equations("primitive", everything, lambda eqn: eqn.primitive.name, there.primitives)
     rows += _equations("line", everything, lambda eqn: _short_place(location_of(eqn)), None)
