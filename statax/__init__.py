@@ -8,6 +8,7 @@ import importlib.metadata
 
 from . import extend as extend
 from . import handlers as handlers
+from ._core.errors import CotangentsError as CotangentsError
 from ._core.errors import HandlerError as HandlerError
 from ._core.errors import KeyCollisionError as KeyCollisionError
 from ._core.errors import PlantError as PlantError
@@ -57,6 +58,7 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not instal
 
 __all__ = [
     "BranchMismatchError",
+    "CotangentsError",
     "HandlerError",
     "Key",
     "KeyCollisionError",

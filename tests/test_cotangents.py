@@ -172,16 +172,23 @@ def test_equinox_checkpointed_while_loop_reverse_mode():
     assert_tree_allclose(acts["v_1.grad"], want)
 
 
-def test_no_cotangent_keys_without_differentiation():
+def test_cotangents_without_differentiation_inside_say_so():
+    # Not a dict without its '.grad' keys (the user's next line a bare KeyError): an error that
+    # says why there are none, and what to pull instead.
     def f(x):
         return jnp.sum(stx.save_inter(jnp.sin(x), name="h"))
 
     x = jnp.ones(3)
-    assert list(stx.pull(f, cotangents=True)(x)[1]) == ["h_0"]
-    assert list(stx.pull(jax.grad(f))(x)[1]) == ["h_0"]  # (not asked)
+    why = r"differentiates none of its marks \('h'; the first at .*test_cotangents.py:\d+\)"
+    with pytest.raises(stx.CotangentsError, match=why + r"(.|\n)*stx.pull\(jax.grad\(loss\)"):
+        stx.pull(f, cotangents=True)(x)
+    with pytest.raises(stx.CotangentsError, match=why):  # under jit: when it is traced
+        jax.jit(stx.pull(f, cotangents=True))(x)
     # Differentiated outside the pull: its backward pass runs after pull returned.
-    _, acts = jax.grad(stx.pull(f, cotangents=True), has_aux=True)(x)
-    assert list(acts) == ["h_0"]
+    with pytest.raises(stx.CotangentsError, match=why):
+        jax.grad(stx.pull(f, cotangents=True), has_aux=True)(x)
+    assert list(stx.pull(jax.grad(f))(x)[1]) == ["h_0"]  # (not asked)
+    assert list(stx.pull(jax.grad(f), cotangents=True)(x)[1]) == ["h_0", "h_0.grad"]
 
 
 # ---- edit: plant at "h_0.grad" ---------------------------------------------------------------

@@ -122,6 +122,11 @@ class KeyCollisionError(ValueError):
         )
 
 
+class CotangentsError(ValueError):
+    """`pull(fn, cotangents=True)` (or a cotangent planted) where `fn` differentiates none of
+    its marks inside it: there is no backward pass through them to read."""
+
+
 class PlantError(ValueError):
     """A value given to `plant` (or `grad_inters`) that cannot go where it was asked to."""
 
@@ -148,6 +153,7 @@ for _error in (
     HandlerError,
     ReduceMismatchError,
     KeyCollisionError,
+    CotangentsError,
     PlantError,
     SelectionError,
     StateError,

@@ -32,7 +32,7 @@ from .cache import (
     traced_avals,
     traced_mask,
 )
-from .naming import check_only, named, plans_for, unflatten_out
+from .naming import check_cotangents, check_only, named, plans_for, unflatten_out
 
 __all__ = ["Entry", "entry_for", "evaluate", "inline", "summarized"]
 
@@ -89,6 +89,7 @@ def inline(trace, call, leaves, treedef, only, ran, traced_places: Plan = Plan()
             None, call, leaves, treedef, *traced_avals(leaves, treedef), traced_places
         )
         check_only(only, metas, everything)
+    check_cotangents(metas)
     if any(a is not b for a, b in zip(new_leaves, out_leaves, strict=True)):
         out = jax.tree_util.tree_unflatten(out_def, new_leaves)
     return out, named(metas, flat, ran, plans_for(metas))
@@ -108,6 +109,7 @@ def entry_for(
         )
         check_only(only, entry.metas, everything)
         entry.checked = True
+    check_cotangents(entry.metas)
     return entry, dynamic
 
 

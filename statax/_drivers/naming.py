@@ -12,10 +12,32 @@ from typing import Any
 
 import jax
 
+from .._core import context as _context
 from .._core import reduce as _reduce
-from .._core.errors import KeyCollisionError, SelectionError
+from .._core.errors import CotangentsError, KeyCollisionError, SelectionError
 from .._core.meta import ARRAY, KeyName, StateMeta, key_names
 from .._select import report as _report
+
+
+def check_cotangents(metas: Sequence[StateMeta]) -> None:
+    """Under `cotangents=True`, raise where marks were collected and none has a cotangent:
+    the function differentiates none of them inside it, and a `.grad` key the user reads next
+    would be a bare `KeyError`."""
+    metas = [m for m in metas if m.reduce is None]  # (a reduced name has no cotangent)
+    if not _context.COTANGENTS.value or not metas or any(m.grad for m in metas):
+        return
+    if _context.PLANTING.value is not None:
+        return  # (`plant` says so of the cotangent it was given, by its key)
+    names = sorted({m.name for m in metas})
+    shown = ", ".join(map(repr, names[:4])) + (", ..." if len(names) > 4 else "")
+    raise CotangentsError(
+        f"pull(fn, cotangents=True) read no cotangent: fn differentiates none of its marks "
+        f"({shown}; the first at {metas[0].location}) inside it, so no backward pass runs "
+        "through them and there is no '.grad' key. Pull a function that differentiates "
+        "inside (stx.pull(jax.grad(loss), cotangents=True), a train step that calls "
+        "jax.value_and_grad), or drop cotangents=True; for the gradient of a loss with respect "
+        "to the marks themselves, use stx.grad_inters(loss)."
+    )
 
 
 def check_only(only, metas: Sequence[StateMeta], everything: Callable) -> None:
