@@ -631,10 +631,7 @@ def test_changing_a_handler_drops_every_cached_rewrite():
 
     stx.pull(f)(1.0)
     assert cache._CACHE and rewrite._PULLED and marks._SAVES
-    handler = registry._HANDLERS[lax.cond_p]
-    thread_state, _ = registry._STATE_RULES[lax.cond_p]
-    flags = registry._FLAGS[lax.cond_p]._asdict()
-    stx.extend.register_handler(lax.cond_p, handler, thread_state=thread_state, **flags)
+    registry.register_rules(lax.cond_p, registry.rules_of(lax.cond_p))  # (the same record again)
     caches = (marks._SAVES, rewrite._PULLED, rewrite._PULLED_OPEN)
     assert not cache._CACHE and not any(caches)
     assert not exposers._INERT and not marks._IMPLS
