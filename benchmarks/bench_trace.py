@@ -25,7 +25,7 @@ from jax import lax
 
 import statax as stx
 from statax._core import staging as _staging
-from statax._core.primitive import _array_params
+from statax._core.primitive import array_params
 
 
 def mlp_params(width, key=0):
@@ -33,7 +33,7 @@ def mlp_params(width, key=0):
 
 
 # An unpulled mark's params, made once, as statax makes them once per call site and name.
-_BARE_PARAMS = _array_params("layer", (None, 0), None)
+_BARE_PARAMS = array_params("layer", (None, 0), None)
 
 
 def bare_marks(params, x):

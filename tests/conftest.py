@@ -24,6 +24,13 @@ def allow_rank_promotion():
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
+        "exhaustive: the runs at size (random programs at size, the composition matrix with the "
+        "fast paths off, each real model in its every variant): not in the README's test "
+        "command, which deselects them (pyproject's addopts: -m 'not exhaustive'); run them "
+        "with -m exhaustive, as CI does",
+    )
+    config.addinivalue_line(
+        "markers",
         "fast_paths: checks how a fast path works inside (see statax/_core/fastpaths.py); skipped "
         "where they are off (STATAX_FAST_PATHS=0), where the plain paths give the same values "
         "and keys by other means",

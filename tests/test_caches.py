@@ -22,6 +22,12 @@ from statax._core import fastpaths
 HERE = os.path.basename(__file__)
 
 
+def AT_SIZE(*params):  # noqa: N802 (read as a marker)
+    """`params`, run only at size (`-m exhaustive`): the README's test command runs one of a
+    test's depths, CI all of them."""
+    return [pytest.param(p, marks=pytest.mark.exhaustive) for p in params]
+
+
 def assert_same(got, want):
     got_leaves, got_def = jax.tree_util.tree_flatten(got)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
@@ -135,7 +141,7 @@ STEP_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("depth", ["outer", "inside", "none"])
+@pytest.mark.parametrize("depth", [*AT_SIZE("outer", "inside"), "none"])
 def test_pull_plant_and_sites_on_one_function_answer_as_a_fresh_one(depth):
     make, make_forward = make_step(depth), make_plain(depth)
     step, forward = make(), make_forward()
@@ -330,7 +336,7 @@ def _last_iteration(w, x):  # the loop by hand: the value the last iteration mar
     return h
 
 
-@pytest.mark.parametrize("depth", ["outer", "inside", "none"])
+@pytest.mark.parametrize("depth", AT_SIZE("outer", "inside", "none"))
 def test_an_equinox_checkpointed_loop_on_one_function_answers_as_a_fresh_one(depth):
     make = make_plain(depth, _loop)
     fn = make()

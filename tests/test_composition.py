@@ -454,6 +454,7 @@ def selection_refused(construct, composition, transform) -> str | None:
     return None
 
 
+EXHAUSTIVE = pytest.mark.exhaustive
 TRANSFORMS = ["plain", "jit_in", "jit_out", "vmap_in", "vmap_out", "grad_in", "grad_out"]
 
 
@@ -507,8 +508,19 @@ def reference(transform, ref_run, construct=None, parts=(), name="h"):
     return ref_run(X)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
-@pytest.mark.parametrize("transform", TRANSFORMS)
+# Both ways: the fast paths on, and (at size) off.
+@pytest.mark.parametrize(
+    "fast", [pytest.param(True, id="fast"), pytest.param(False, id="plain", marks=EXHAUSTIVE)]
+)
+# Each transformation inside and outside; the README's test command runs one of each pair
+# (and `plain`), the runs at size the other too.
+@pytest.mark.parametrize(
+    "transform",
+    [
+        pytest.param(t, marks=EXHAUSTIVE) if t in ("jit_out", "vmap_in", "grad_out") else t
+        for t in TRANSFORMS
+    ],
+)
 @pytest.mark.parametrize("composition", COMPOSITIONS)
 @pytest.mark.parametrize("construct", CONSTRUCTS)
 def test_composition_matrix(construct, composition, transform, fast):

@@ -672,7 +672,10 @@ def ode_loss(w, y0, adjoint, by_hand=None):
     return jnp.sum(solution.ys**2)
 
 
-@pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "backsolve"])
+@pytest.mark.parametrize(
+    "adjoint",
+    [pytest.param(a, marks=pytest.mark.exhaustive) for a in ("recursive_checkpoint", "backsolve")],
+)
 def test_diffrax_vector_field_read_and_edit(adjoint):
     """Read: as in any while loop, the cotangent of the backward solve's last evaluation (what
     a custom_vjp identity's rule received last). Edit: a hook scaling it is the identity that

@@ -195,19 +195,35 @@ def named(names, values):
     return out
 
 
-@settings(
-    max_examples=40,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-@given(programs.filter(_valid))
-@example(("vmap", ("cond", ("scan", ("jit", LEAF), 2), LEAF)))  # jit in scan in cond in vmap
-@example(("while", ("scan", LEAF, 2), 2))  # scan in while
-@example(("grad", ("scan", ("checkpoint", LEAF), 3)))  # scan over rematerialised layers
-@example(("vmap", ("while", ("cond", LEAF, ("vmap", LEAF)), 1)))
-@example(("checkpoint", ("grad", ("vmap", ("cond", LEAF, LEAF)))))
-def test_pull_matches_hand_threaded_reference(program):
+def sized(check, strategy, examples, quick: int, at_size: int):
+    """Two tests of `check(program)` on random programs from `strategy`, derandomized: `quick`
+    programs and the `examples` in the README's test command, `at_size` in the runs at size
+    (`-m exhaustive`)."""
+
+    def test(n):
+        run = given(strategy)(check)
+        for program in examples:
+            run = example(program)(run)
+        return settings(
+            max_examples=n,
+            derandomize=True,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )(run)
+
+    return test(quick), pytest.mark.exhaustive(test(at_size))
+
+
+PULL_EXAMPLES = [
+    ("vmap", ("cond", ("scan", ("jit", LEAF), 2), LEAF)),  # jit in scan in cond in vmap
+    ("while", ("scan", LEAF, 2), 2),  # scan in while
+    ("grad", ("scan", ("checkpoint", LEAF), 3)),  # scan over rematerialised layers
+    ("vmap", ("while", ("cond", LEAF, ("vmap", LEAF)), 1)),
+    ("checkpoint", ("grad", ("vmap", ("cond", LEAF, LEAF)))),
+]
+
+
+def check_pull_matches_hand_threaded_reference(program):
     f, ref, names = build(program), reference(program), slots(program)
     try:
         ref_out, ref_values = ref(X)
@@ -239,17 +255,7 @@ def _round_trippable(node):
     )
 
 
-@settings(
-    max_examples=15,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-@given(programs.filter(_valid).filter(_round_trippable))
-@example(("vmap", ("cond", ("scan", ("jit", LEAF), 2), LEAF)))
-@example(("while", ("scan", LEAF, 2), 1))
-@example(("scan", ("checkpoint", ("vmap", LEAF)), 3))
-def test_plant_round_trip(program):
+def check_plant_round_trip(program):
     """Planting every value that pull returns gives back the function's own output: exactly,
     eagerly; under `jit`, to the last bit on CPU, and within a rounding on GPU, where XLA fuses
     the planted program (its values come in) and the function's own differently."""
@@ -264,3 +270,23 @@ def test_plant_round_trip(program):
         np.testing.assert_array_equal(jitted, own)
     else:
         np.testing.assert_allclose(jitted, own, rtol=1e-6, atol=1e-7)
+
+
+test_pull_matches_hand_threaded_reference, test_pull_matches_at_size = sized(
+    check_pull_matches_hand_threaded_reference,
+    programs.filter(_valid),
+    PULL_EXAMPLES,
+    quick=3,
+    at_size=40,
+)
+test_plant_round_trip, test_plant_round_trip_at_size = sized(
+    check_plant_round_trip,
+    programs.filter(_valid).filter(_round_trippable),
+    [
+        ("vmap", ("cond", ("scan", ("jit", LEAF), 2), LEAF)),
+        ("while", ("scan", LEAF, 2), 1),
+        ("scan", ("checkpoint", ("vmap", LEAF)), 3),
+    ],
+    quick=2,
+    at_size=15,
+)

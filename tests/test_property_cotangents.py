@@ -15,8 +15,9 @@ step made with `grad`, `value_and_grad` or `vjp` (with or without a `jit` around
 * a planted cotangent (a scale, zeros, a clip, an array) at one occurrence is compared with a
   `custom_vjp` identity at that place that does the same to its cotangent.
 
-`STATAX_PROPERTY_PROGRAMS=N` runs N programs per step kind (the suite runs 8); e.g.
-`STATAX_PROPERTY_PROGRAMS=200 .venv/bin/python -m pytest -q -n auto
+The README's test command runs 2 programs per step kind; the runs at size (`-m exhaustive`)
+another `STATAX_PROPERTY_PROGRAMS` (8 unless set) per kind, e.g.
+`STATAX_PROPERTY_PROGRAMS=200 .venv/bin/python -m pytest -q -n auto -m exhaustive
 tests/test_property_cotangents.py` is the larger run."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import pytest
 import statax as stx
 
 N = 3  # the width of the state each node maps
-PROGRAMS = int(os.environ.get("STATAX_PROPERTY_PROGRAMS", "8"))
+PROGRAMS = {"quick": 2, "at size": int(os.environ.get("STATAX_PROPERTY_PROGRAMS", "8"))}
+SIZES = ["quick", pytest.param("at size", marks=pytest.mark.exhaustive)]
 POLICIES = {
     "nothing": jax.checkpoint_policies.nothing_saveable,
     "everything": jax.checkpoint_policies.everything_saveable,
@@ -284,9 +286,9 @@ def step_of(kind: str, loss):
     return lambda w, x: jax.vjp(lambda x: loss(w, x), x)[1](jnp.float32(1.0))
 
 
-def programs(seed: int):
-    rng = np.random.default_rng(seed)
-    for _ in range(PROGRAMS):
+def programs(seed: int, size: str = "quick"):
+    rng = np.random.default_rng(seed if size == "quick" else seed + 100)  # (other programs)
+    for _ in range(PROGRAMS[size]):
         yield generate(rng), bool(rng.random() < 0.3), rng
 
 
@@ -294,10 +296,11 @@ def _zeros(marks, names):
     return {k: jnp.zeros(shape) for k, (_, shape) in zip(names, marks, strict=True)}
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("kind", ["grad", "value_and_grad", "vjp"])
-def test_every_cotangent_is_the_gradient_at_a_zero_perturbation(kind):
+def test_every_cotangent_is_the_gradient_at_a_zero_perturbation(kind, size):
     seed = {"grad": 0, "value_and_grad": 1, "vjp": 2}[kind]
-    for node, jit, rng in programs(seed):
+    for node, jit, rng in programs(seed, size):
         marks = layout(node)
         names = keys(marks)
         step = step_of(kind, loss_of(node, names=names))

@@ -109,7 +109,7 @@ PENZAI = {
 
 
 @pytest.mark.parametrize("kind", PENZAI)
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_penzai_block_as_marked_by_hand(kind, jit):
     stack, path, where = PENZAI[kind]
     model = pz.freeze_params(penzai_lm(stack))  # (arrays, as jax.jit takes them)
@@ -124,6 +124,7 @@ def test_penzai_block_as_marked_by_hand(kind, jit):
         assert got[1][f"{path}_0"].data_array.shape == (2, 1, 8, 16)
 
 
+@pytest.mark.exhaustive
 def test_penzai_model_is_a_root_without_of():
     model = penzai_lm(False)
     tokens = pz.nx.wrap(IDS).tag("batch", "seq")
@@ -248,7 +249,7 @@ def bert(checkpointed: bool):
     return transformers.FlaxBertModel(config, seed=0, gradient_checkpointing=checkpointed)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_gpt2_blocks_against_capture_intermediates(jit):
     model = gpt2()
     f = lambda params, ids: model(ids, params=params).last_hidden_state  # noqa: E731
@@ -269,7 +270,9 @@ def test_gpt2_blocks_against_capture_intermediates(jit):
     np.testing.assert_allclose(out, f(model.params, IDS), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize(
+    "checkpointed", [pytest.param(c, marks=pytest.mark.exhaustive) for c in (False, True)]
+)
 def test_bert_layers_keep_their_structure_under_remat(checkpointed):
     """A layer returns `(hidden,)`, with `gradient_checkpointing` (`nn.remat`) or without
     (item 4): each against `output_hidden_states`, and under `jax.grad`."""
@@ -322,7 +325,7 @@ def nnx_cnn():
     return CNN(rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_nnx_a_partial_the_model_holds_is_selected_per_call(jit):
     from flax import nnx
 
@@ -404,7 +407,9 @@ def _t5_clip(monkeypatch):
 
 
 @pytest.mark.usefixtures("_t5_clip")
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "jit", [pytest.param(j, marks=pytest.mark.exhaustive) for j in (False, True)]
+)
 def test_t5_encode_block_is_what_the_module_returned(jit):
     cfg = transformers.T5Config(
         vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,

@@ -92,6 +92,7 @@ def test_eqx_modules_under_vmap():
     check_against_pull(f, (EQX, X), found)
 
 
+@pytest.mark.exhaustive
 def test_linen_scopes_and_nn_scan():
     found = stx.sites(LINEN.apply)(LINEN_PARAMS, X)
     assert "Model/Block_0" in [s.place for s in found.of("scope")]
@@ -149,7 +150,9 @@ def test_nnx_modules():
     check_against_pull(f, (model, X), found)
 
 
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(
+    "training", [pytest.param(t, marks=pytest.mark.exhaustive) for t in (True, False)]
+)
 def test_keras_layers(training):
     model = keras_model()
     call, args = _stateless(model, jnp.ones((3, 4)), training)
@@ -162,7 +165,9 @@ def test_keras_layers(training):
     check_against_pull(call, args, found, per_kind=8)
 
 
-@pytest.mark.parametrize("stack", [False, True])
+@pytest.mark.parametrize(
+    "stack", [pytest.param(s, marks=pytest.mark.exhaustive) for s in (False, True)]
+)
 def test_penzai_layers(stack):
     model = pz.freeze_params(penzai_lm(stack))
     tokens = pz.nx.wrap(IDS).tag("batch", "seq")
@@ -178,6 +183,7 @@ def test_penzai_layers(stack):
     check_against_pull(f, (model, tokens), found, per_kind=2)
 
 
+@pytest.mark.exhaustive
 def test_gpt2_and_the_bytes_of_a_selection_before_it_runs():
     model = gpt2()
     f = lambda params, ids: model(ids, params=params).last_hidden_state  # noqa: E731

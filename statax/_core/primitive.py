@@ -163,7 +163,7 @@ def save_inter(value: T, name: str | None = None, *, reduce: str | None = None) 
         frame = _getframe(1)
         code = frame.f_code
         inside = code.co_filename.startswith(_PACKAGE_DIR)  # then the site is further out
-        params = _array_params(name, _caller() if inside else (code, frame.f_lineno), reduce)
+        params = array_params(name, _caller() if inside else (code, frame.f_lineno), reduce)
         if not inside and _fastpaths.on:  # for the fast path above, next time
             _remember(code, frame.f_lasti, given_name, reduce, scope, params)
         arrays = [value]
@@ -252,7 +252,7 @@ SAVE_EFFECTS = frozenset({_context.SAVE_EFFECT})
 
 
 @functools.lru_cache(maxsize=4096)
-def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
+def array_params(name: str, site: tuple, reduce: str | None) -> dict:
     """The params of an idle mark on one array at `site` (`_caller()`), made once per site and
     name (equations share them: JAX never edits an equation's params in place); a collected
     mark there takes their meta."""
@@ -260,7 +260,7 @@ def _array_params(name: str, site: tuple, reduce: str | None) -> dict:
     return {"meta": meta, "status": IDLE}
 
 
-# (id of the calling code, its instruction, name, reduce, scope) -> `_array_params` there, for
+# (id of the calling code, its instruction, name, reduce, scope) -> `array_params` there, for
 # the fast path of `save_inter`, which only looks up what the slow path checked and made.
 _SITES: dict[tuple, dict] = {}
 _SITE_CODES: dict[int, object] = {}  # id -> code object: no id in `_SITES` is reused

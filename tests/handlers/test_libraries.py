@@ -146,7 +146,12 @@ def diffrax_solve(y0, k, adjoint=None):
 
 
 @pytest.mark.parametrize(
-    "adjoint", [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()], ids=type
+    "adjoint",
+    [
+        pytest.param(diffrax.RecursiveCheckpointAdjoint(), marks=pytest.mark.exhaustive),
+        pytest.param(diffrax.BacksolveAdjoint(), marks=pytest.mark.exhaustive),
+    ],
+    ids=lambda a: type(a).__name__,
 )
 def test_diffrax_vector_field(adjoint):
     y0, k = jnp.array([1.0, 2.0]), 3.0
@@ -256,8 +261,8 @@ def test_optimistix_solvers_key_their_implicit_rule_only_where_it_runs(solve):
 @pytest.mark.parametrize(
     "adjoint",
     [
-        diffrax.RecursiveCheckpointAdjoint(),
-        diffrax.BacksolveAdjoint(),
+        pytest.param(diffrax.RecursiveCheckpointAdjoint(), marks=pytest.mark.exhaustive),
+        pytest.param(diffrax.BacksolveAdjoint(), marks=pytest.mark.exhaustive),
         diffrax.DirectAdjoint(),  # a bounded while loop inside equinox
     ],
     ids=lambda a: type(a).__name__,
@@ -329,6 +334,7 @@ def solve_to_event(y0):
     return sol.ts[-1], sol.ys[-1]
 
 
+@pytest.mark.exhaustive
 def test_diffrax_event_keys_its_root_finders_rule_only_where_it_runs():
     y0 = jnp.array([1.0, 2.0])
     (t, y), inters = stx.pull(solve_to_event)(y0)
@@ -343,6 +349,7 @@ def test_diffrax_event_keys_its_root_finders_rule_only_where_it_runs():
         np.testing.assert_allclose(differentiated[key], 0.0, atol=1e-5)
 
 
+@pytest.mark.exhaustive
 def test_a_bounded_loop_is_a_while_loop_in_every_order():
     # diffrax's DirectAdjoint runs a "bounded" equinox loop: nested scans of conds, whose
     # forward pass under `grad` has lost a carry to dead-code elimination. It is still a while
