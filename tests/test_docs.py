@@ -141,6 +141,16 @@ def test_the_main_job_installs_what_it_needs_and_the_tests_their_extra():
     assert names == {"jax", "jaxlib", "equinox"}
 
 
+def test_the_runs_at_size_are_a_second_command_ci_runs():
+    # The README's test command deselects them (pyproject's addopts); the second command runs
+    # them, and .ci/run reads it from the README as it reads the others.
+    exhaustive = readme_command("exhaustive")
+    assert "-m exhaustive" in exhaustive and "pip" not in exhaustive
+    assert "-m 'not exhaustive'" in (ROOT / "pyproject.toml").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "exhaustive_cmd=$(readme_command exhaustive)" in ci and 'eval "$exhaustive_cmd"' in ci
+
+
 def test_no_figure_refers_to_an_issue_or_a_past_state():
     for page in (ROOT / "README.md", ROOT / "docs" / "performance.md"):
         text = page.read_text()
