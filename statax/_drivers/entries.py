@@ -109,7 +109,6 @@ def entry_for(
         )
         check_only(only, entry.metas, everything)
         entry.checked = True
-    check_cotangents(entry.metas)
     return entry, dynamic
 
 
@@ -168,6 +167,7 @@ def _trace(root, call, leaves, treedef, traced, only, avals, places: Plan = Plan
         if places:
             closed, marks = chosen().collected(closed, marks)
         new, metas, ins = pull_collected(closed, marks)
+    check_cotangents(metas)  # (once per entry: the trace context is part of its key)
     out_def, out_static = out_info[0]
     literals = tuple(
         (i, x.aval.dtype) for i, x in enumerate(new.jaxpr.outvars) if isinstance(x, jex.Literal)

@@ -23,11 +23,11 @@ def check_cotangents(metas: Sequence[StateMeta]) -> None:
     """Under `cotangents=True`, raise where marks were collected and none has a cotangent:
     the function differentiates none of them inside it, and a `.grad` key the user reads next
     would be a bare `KeyError`."""
+    if not _context.COTANGENTS.value or _context.PLANTING.value is not None:
+        return  # (`plant` says so of a cotangent it was given, by its key)
     metas = [m for m in metas if m.reduce is None]  # (a reduced name has no cotangent)
-    if not _context.COTANGENTS.value or not metas or any(m.grad for m in metas):
+    if not metas or any(m.grad for m in metas):
         return
-    if _context.PLANTING.value is not None:
-        return  # (`plant` says so of the cotangent it was given, by its key)
     names = sorted({m.name for m in metas})
     shown = ", ".join(map(repr, names[:4])) + (", ..." if len(names) > 4 else "")
     raise CotangentsError(

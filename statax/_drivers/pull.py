@@ -31,6 +31,8 @@ from .naming import selection_of
 
 __all__ = ["pull"]
 
+_NO_PLAN = Plan()
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -89,13 +91,15 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
     is_node = _nnx.node_test()  # None unless Flax NNX is imported
     root, tree, call = split_callable(fn)
     leaves, treedef = jax.tree_util.tree_flatten((tree, args, kwargs), is_leaf=is_node)
-    plan, traced = Plan(pulled.at), Plan()
-    if plan:  # marks by object where the objects are live (in NNX's merge), in the program around
-        call = plan.wrap(call, objects=True, fn=fn)
+    plan = traced = _NO_PLAN
+    # Marks by object where the objects are live (in NNX's merge), in the program around.
+    if pulled.at:
+        selected = Plan(pulled.at)
+        call = selected.wrap(call, objects=True, fn=fn)
         # Places in the program: put into what `pull` traces; where something is planted, or
         # `ran=` asks for flags, by evaluating the program again with `save_inter`s there.
         planted = values is not None or pulled.planting is not None or _context.PLANTING.value
-        plan, traced = plan.split(into_trace=not planted and not pulled.ran)
+        plan, traced = selected.split(into_trace=not planted and not pulled.ran)
     eager = (
         _fastpaths.on
         and not plan

@@ -90,9 +90,6 @@ class Plan:
         """Within, the selections are in JAX's trace context, and the objects of `of=` models
         mark their calls (before the driver flattens its arguments, so that what it rebuilds
         is of the marking class)."""
-        if not self.at:
-            yield
-            return
         with _context.PLACES((*_context.PLACES.value, *self.at)), objects_marked(self.at):
             yield
 
