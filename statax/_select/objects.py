@@ -125,10 +125,9 @@ _SHADOWS: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
 
 def _shadows(at, call, targets: dict) -> list:
     """`(object, name, selection, place)` of the objects at the selected paths in the other
-    copies of
-    the model among the arguments (of its class, not it): an optimizer's moments, a model's
-    gradients passed in. Swapped with the selected objects, they keep the trees made from the
-    model (by `jax.grad` inside the function) and them of one structure."""
+    copies of the model among the arguments (of its class, not it): an optimizer's moments, a
+    model's gradients passed in. Swapped with the selected objects, they keep the trees made
+    from the model (by `jax.grad` inside the function) and them of one structure."""
     fn, tree, args, kwargs = call
     roots = {id(r): r for r in _roots_quietly(fn, tree, args, kwargs)}
     kinds = {type(r) for r in roots.values()}
@@ -223,10 +222,10 @@ def calls_checked(metas: Callable[[], Sequence[StateMeta]], only: Any):
         name, chosen = missing[0]
         raise SelectionError(
             f"{describe_selections(chosen)} selects {name!r}, which the function did not call "
-            "while pull "
-            "traced it, and whose marks are not in what it traced. If it is called from code "
-            "that was traced before (a jax.jit of a function that closes over the model), pass "
-            "the model to that function as an argument, or select a submodule that runs."
+            "while pull traced it, and whose marks are not in what it traced. If it is called "
+            "from code that was traced before (a jax.jit of a function that closes over the "
+            "model), pass the model to that function as an argument, or select a submodule that "
+            "runs."
         )
 
 
@@ -488,7 +487,11 @@ def _put(parent, key: str, old, value, selection=None) -> None:
 
 
 def _marked_call(call, name: str, inputs: bool, reduce, args, kwargs):
-    """`call(*args, **kwargs)` with its output (and, with `inputs`, its inputs) marked."""
+    """`call(*args, **kwargs)` with its output (and, with `inputs`, its inputs) marked, and the
+    call recorded (`calls_recorded`)."""
+    called = _CALLED.get()
+    if called is not None:
+        called[name] = None
     if inputs and kwargs:  # (the inputs are marked as the call has them)
         args, kwargs = save_inter((args, kwargs), name=f"{name}.in", reduce=reduce)
     elif inputs and len(args) == 1:
@@ -506,9 +509,6 @@ def _marking_call(fn: Callable, name: str, inputs: bool, reduce: str | None) -> 
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
-        called = _CALLED.get()
-        if called is not None:
-            called[name] = None
         return _marked_call(fn, name, inputs, reduce, args, kwargs)
 
     marked._statax_marks = name
@@ -525,9 +525,6 @@ def _marking(cls: type, name: str, inputs: bool, reduce: str | None) -> type:
     def __call__(self, *args, **kwargs):  # noqa: N807
         if id(self) in _SHADOWS.get():  # (a copy of the model kept of its structure)
             return original(self, *args, **kwargs)
-        called = _CALLED.get()
-        if called is not None:
-            called[name] = None
         call = functools.partial(original, self)
         return _marked_call(call, name, inputs, reduce, args, kwargs)
 
