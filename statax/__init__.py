@@ -16,6 +16,7 @@ from ._core.errors import ReduceMismatchError as ReduceMismatchError
 from ._core.errors import SelectionError as SelectionError
 from ._core.errors import StateError as StateError
 from ._core.errors import StatefulWarning as StatefulWarning
+from ._core.errors import StoreError as StoreError
 from ._core.errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._core.meta import StateMeta as StateMeta
 from ._core.primitive import save_inter as save_inter
@@ -44,6 +45,11 @@ from ._monitor.stats import stats as stats
 from ._monitor.stats import tree_stats as tree_stats
 from ._monitor.track import Tracker as Tracker
 from ._select.vocabulary import lines as lines
+from ._store.reading import Store as Store
+from ._store.reading import StoredArray as StoredArray
+from ._store.reading import open_store as open_store
+from ._store.record import Recorder as Recorder
+from ._store.record import record as record
 from ._select.vocabulary import modules as modules
 from ._select.vocabulary import primitives as primitives
 from ._select.vocabulary import scopes as scopes
@@ -64,6 +70,7 @@ __all__ = [
     "KeyCollisionError",
     "NonFinite",
     "PlantError",
+    "Recorder",
     "ReduceMismatchError",
     "SelectionError",
     "Site",
@@ -71,6 +78,9 @@ __all__ = [
     "StateError",
     "StateMeta",
     "StatefulWarning",
+    "Store",
+    "StoreError",
+    "StoredArray",
     "TensorBoardWriter",
     "Tracker",
     "UnhandledPrimitiveError",
@@ -81,12 +91,14 @@ __all__ = [
     "grad_inters",
     "lines",
     "modules",
+    "open_store",
     "plant",
     "plot_exponent_histogram",
     "plot_heatmap",
     "plot_stat",
     "primitives",
     "pull",
+    "record",
     "records",
     "save_inter",
     "scope",

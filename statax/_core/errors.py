@@ -15,6 +15,7 @@ __all__ = [
     "SelectionError",
     "StateError",
     "StatefulWarning",
+    "StoreError",
     "UnhandledPrimitiveError",
 ]
 
@@ -147,6 +148,12 @@ class StatefulWarning(UserWarning):
     nothing."""
 
 
+class StoreError(ValueError):
+    """A store of captures (`stx.record`, `stx.open_store`) that cannot take or give what was
+    asked: a path that is not one, a batch whose keys, shapes or dtypes differ from what it
+    holds, or a write that failed (a full disk). What it committed before stays readable."""
+
+
 # Users catch these as `stx.SelectionError` and the like: tracebacks name them so.
 for _error in (
     UnhandledPrimitiveError,
@@ -158,5 +165,6 @@ for _error in (
     SelectionError,
     StateError,
     StatefulWarning,
+    StoreError,
 ):
     _error.__module__ = "statax"

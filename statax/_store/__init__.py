@@ -1,0 +1,1 @@
+"""A store of captures on disk: `record` writes it, `open_store` reads it."""

@@ -1,0 +1,131 @@
+"""A store of captures on disk: a zarr v3 group, read and written by tensorstore.
+
+    acts.zarr/zarr.json             the group; its attribute "statax" is the store's metadata
+    acts.zarr/<key>/...             one zarr v3 array per key, the examples along axis 0
+    acts.zarr/_statax/commit.<p>    what process p has committed: {"batches": b, "rows": r}
+
+A batch is committed once every array holds it: each process writes its commit record (an
+atomic replace) after its own writes of that batch are done, and the store holds the batches
+every process has committed. Rows past them (a run killed mid-write) are a partial batch: a
+reader does not see them, and the next run overwrites them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+from typing import Any
+
+from .._core.errors import StoreError
+from .._monitor.optional import require
+
+__all__ = [
+    "FORMAT",
+    "array_path",
+    "array_spec",
+    "committed",
+    "kvstore",
+    "new_array",
+    "open_array",
+    "read_metadata",
+    "tensorstore",
+    "write_commit",
+    "write_metadata",
+]
+
+FORMAT = 1  # the layout's version, in the metadata
+_GROUP = "zarr.json"
+_COMMITS = "_statax/"
+
+
+def tensorstore():
+    return require("tensorstore", "store")
+
+
+def kvstore(path: str):
+    """The store's files, as tensorstore's key-value store (its writes replace atomically)."""
+    ts = tensorstore()
+    return ts.KvStore.open({"driver": "file", "path": os.path.abspath(path) + "/"}).result()
+
+
+def array_path(key: str) -> str:
+    """A key's folder: the key, with what a path cannot hold quoted (`"blocks/mlp_0"` is
+    `"blocks%2Fmlp_0"`), so that every key is one array of the group."""
+    return urllib.parse.quote(key, safe="[]()._-")
+
+
+def array_spec(path: str, key: str) -> dict:
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": os.path.join(os.path.abspath(path), array_path(key))},
+    }
+
+
+def read_metadata(path: str) -> dict | None:
+    """The store's metadata; None where `path` holds no store yet (absent, or an empty folder).
+    Anything else there is a `StoreError`: statax writes only where it made the store."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        raise StoreError(f"{path!r} is a file, not a store of captures. Give a folder's path.")
+    if not os.listdir(path):
+        return None
+    found = kvstore(path).read(_GROUP).result()
+    what = None
+    if found.state == "value":
+        try:
+            group = json.loads(bytes(found.value))
+            what = group.get("attributes", {}).get("statax")
+        except (ValueError, AttributeError):
+            what = None
+    if not isinstance(what, dict) or what.get("format") != FORMAT:
+        raise StoreError(
+            f"{path!r} is not a store of captures: it is a folder that holds "
+            f"{sorted(os.listdir(path))[:5]} but no zarr.json with statax's metadata "
+            f"(format {FORMAT}). Give a new path (or an empty folder), or the path of a store "
+            "stx.record made."
+        )
+    return what
+
+
+def write_metadata(path: str, metadata: dict) -> None:
+    group = {"zarr_format": 3, "node_type": "group", "attributes": {"statax": metadata}}
+    kvstore(path).write(_GROUP, json.dumps(group, indent=1).encode()).result()
+
+
+def committed(path: str, processes: int) -> tuple[int, int]:
+    """`(batches, rows)` that every one of the store's writing processes has committed."""
+    kv = kvstore(path)
+    records = []
+    for process in range(processes):
+        found = kv.read(f"{_COMMITS}commit.{process}").result()
+        if found.state != "value":
+            return 0, 0
+        records.append(json.loads(bytes(found.value)))
+    least = min(records, key=lambda record: record["batches"])
+    return least["batches"], least["rows"]
+
+
+def write_commit(path: str, process: int, batches: int, rows: int) -> None:
+    record = json.dumps({"batches": batches, "rows": rows}).encode()
+    kvstore(path).write(f"{_COMMITS}commit.{process}", record).result()
+
+
+def new_array(path: str, key: str, row: tuple, dtype: str, chunk: tuple) -> Any:
+    """A key's array, empty: `(0, *row)`, growing along axis 0, chunked as `chunk`."""
+    ts = tensorstore()
+    metadata = {
+        "shape": [0, *row],
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+        "dimension_names": ["examples", *(f"axis_{i}" for i in range(1, len(row) + 1))],
+    }
+    spec = array_spec(path, key) | {"metadata": metadata}
+    return ts.open(spec, create=True, delete_existing=True).result()
+
+
+def open_array(path: str, key: str, read_only: bool = False) -> Any:
+    ts = tensorstore()
+    mode = {"read": True} if read_only else {"read": True, "write": True}
+    return ts.open(array_spec(path, key), **mode).result()

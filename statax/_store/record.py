@@ -1,0 +1,479 @@
+"""`record`: run a function batch after batch and append what `pull` returns to a store on
+disk, shard by shard, in the background.
+
+A step is one compiled program: the function, its marks (`only=`, `at=`, `summarize=` as in
+`pull`), the examples axis moved to the front, positions subsampled, values moved to host
+memory; then each process hands the shards it holds (one copy of each) to the writer, which
+writes them into their regions of the store while the device runs the next step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.errors import StoreError
+from .._drivers.naming import Key
+from .._drivers.pull import pull
+from . import layout
+from .writing import Writer
+
+__all__ = ["Recorder", "record"]
+
+POSITIONS = "_positions"  # the key of the positions a subsample kept
+_CHUNK_BYTES = 64 << 20  # a chunk holds at most this much (fewer rows of a shard)
+
+
+def record(
+    fn: Callable,
+    to: str,
+    *,
+    only: Any = None,
+    at: Any = None,
+    summarize: Callable | None = None,
+    axis: int | Mapping[str, int] = 0,
+    positions: int | None = None,
+    position_axis: int = 1,
+    seed: int = 0,
+    offload: bool = False,
+    max_in_flight: int = 1 << 30,
+    progress: bool | None = None,
+) -> Recorder:
+    """Record what `stx.pull(fn)` returns, call after call, into a store at `to`.
+
+    `recorder = stx.record(fn, to="acts.zarr", at=...)` is called as `fn` is and returns `fn`'s
+    output; each call appends its batch to the store: one zarr v3 array per key (tensorstore
+    writes them), the examples along axis 0. A value sharded over devices is written shard by
+    shard, by the process that holds each shard, into its region: nothing is gathered. The
+    writes run in the background and overlap the next call; `flush()` (or leaving a `with`
+    block) waits for them. A store that holds batches already is appended to, after the last
+    one committed. `stx.open_store(to)` reads it back.
+
+    Args:
+        fn: the function, as `pull` takes it.
+        to: the store's folder: new, empty, or a store `record` made.
+        only, at, summarize: as in `pull`. With `summarize=`, each call's summaries are one row
+            (the store's rows are then batches, not examples).
+        axis: the axis of each value that counts examples (an int, or `{key: axis}` with 0
+            for the keys not given); it becomes the store's axis 0. Every key must have the
+            same number of examples.
+        positions: keep this many random positions per example (along `position_axis`, of
+            every value that has it), as sparse-autoencoder recipes keep k tokens per sequence.
+            Drawn on device from `seed` and the batch's number; the positions kept are stored
+            too, as `"_positions"` (examples × positions).
+        position_axis: the positions' axis, counted with the examples at 0.
+        seed: the subsample's seed (in the store's metadata).
+        offload: move the captured values to host memory (`pinned_host`) inside the compiled
+            program, so that they do not stay on the device; an error where the backend has
+            no host memory space.
+        max_in_flight: the bytes of batches not yet written that may wait in host memory; at
+            the limit, the next call waits for the disk.
+        progress: show a progress bar (tqdm): None shows one where tqdm is installed and the
+            output is a terminal.
+    """
+    if not callable(fn):
+        raise TypeError(f"stx.record needs a callable, got {fn!r} of type {type(fn).__name__}.")
+    if positions is not None:
+        if summarize is not None:
+            raise ValueError(
+                "stx.record: positions= subsamples the positions of captured values, and "
+                "summarize= leaves only summaries, which have none. Give one of the two."
+            )
+        if int(positions) < 1 or int(position_axis) < 1:
+            raise ValueError(
+                f"stx.record: positions={positions} and position_axis={position_axis}: keep at "
+                "least one position, on an axis after the examples' (axis 0)."
+            )
+    if offload:
+        _check_host_memory()
+    return Recorder(
+        pull(fn, only=only, at=at, summarize=summarize),
+        str(to),
+        axis=axis,
+        subsample=None if positions is None else (int(positions), int(position_axis), int(seed)),
+        offload=bool(offload),
+        max_in_flight=max_in_flight,
+        progress=progress,
+        selection={
+            "only": None if only is None else repr(only),
+            "at": None if at is None else repr(at),
+            "summarize": None if summarize is None else _qualname(summarize),
+        },
+    )
+
+
+class Recorder:
+    """What `stx.record` returns: call it as the function; `flush()` waits for the writes;
+    `close()` (or leaving a `with` block) flushes and stops the writer."""
+
+    def __init__(self, pulled, path, *, axis, subsample, offload, max_in_flight, progress, selection):
+        self.path = path
+        self._pulled = pulled
+        self._axis = axis
+        self._subsample = subsample
+        self._offload = offload
+        self._selection = selection
+        self._per_batch = pulled.summarize is not None
+        self._process, self._processes = jax.process_index(), jax.process_count()
+        existing = layout.read_metadata(path)  # a path that is not a store fails here
+        if existing is not None and existing["processes"] != self._processes:
+            raise StoreError(
+                f"{path!r} was written by {existing['processes']} processes; this run has "
+                f"{self._processes}. Append with as many processes, or record to a new path."
+            )
+        self.metadata = existing
+        self._batches, self._rows = (
+            (0, 0) if existing is None else layout.committed(path, existing["processes"])
+        )
+        self._arrays: dict[str, Any] | None = None  # key -> tensorstore array, from the first call
+        self._jitted: dict = {}
+        self._writer = Writer(max_in_flight)
+        self._bar = _progress_bar(progress, path, self._batches)
+        self._closed = False
+
+    # The step, compiled: one program per argument structure and static leaves.
+
+    def _program(self, args, kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        traced = tuple(eqx.is_array(leaf) for leaf in leaves)
+        static = tuple(None if t else leaf for t, leaf in zip(traced, leaves))
+        dynamic = [leaf for t, leaf in zip(traced, leaves) if t]
+        key = (treedef, traced, static)
+        jitted = self._jitted.get(key)
+        if jitted is None:
+
+            def step(batch, dynamic):
+                it = iter(dynamic)
+                full = [next(it) if t else s for t, s in zip(traced, static)]
+                args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+                out, inters = self._pulled(*args, **kwargs)
+                return out, self._device_values(inters, batch)
+
+            jitted = self._jitted[key] = jax.jit(step)
+        return jitted, dynamic
+
+    def lower(self, *args, **kwargs):
+        """The compiled step's `jax.stages.Lowered` for these arguments: `.compile()` gives
+        its HLO (`.as_text()`) and `memory_analysis()`."""
+        jitted, dynamic = self._program(args, kwargs)
+        return jitted.lower(jnp.int32(self._batches), dynamic)
+
+    def _device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
+        """What is stored, on device: each value's leaves by key, examples first (a row per
+        batch under `summarize=`), subsampled, on host memory if offloaded."""
+        values = {}
+        for key, value in inters.items():
+            leaves = jax.tree_util.tree_leaves_with_path(value)
+            for path, leaf in leaves:
+                name = key if not path else f"{key}{jax.tree_util.keystr(path)}"
+                leaf = jnp.asarray(leaf)
+                if self._per_batch:
+                    leaf = leaf[None]
+                else:
+                    a = self._axis.get(str(key), 0) if isinstance(self._axis, Mapping) else self._axis
+                    if leaf.ndim <= a:
+                        raise StoreError(
+                            f"stx.record: {name!r} (saved at {_location(key)}) has shape "
+                            f"{leaf.shape}, with no axis {a} to count examples along. Pass "
+                            f"axis={{{str(key)!r}: ...}}, or leave it out with only=."
+                        )
+                    leaf = jnp.moveaxis(leaf, a, 0)
+                values[Key(name, _location(key), getattr(key, "reduce", None))] = leaf
+        if self._subsample is not None:
+            values = _subsample(values, *self._subsample, batch)
+        if self._offload:
+            values = {k: jax.device_put(v, jax.memory.Space.Host) for k, v in values.items()}
+        return values
+
+    # A call.
+
+    def __call__(self, *args, **kwargs):
+        if self._closed:
+            raise StoreError(f"stx.record to {self.path!r}: the recorder is closed.")
+        jitted, dynamic = self._program(args, kwargs)
+        out, values = jitted(jnp.int32(self._batches), dynamic)
+        rows = self._rows_of(values)
+        if self._arrays is None:
+            self._open(values)
+        else:
+            self._check(values)
+        pieces, nbytes = [], 0
+        for key, value in values.items():
+            for shard in value.addressable_shards:
+                if shard.replica_id == 0:  # one copy of each region, by the process holding it
+                    shard.data.copy_to_host_async()
+                    pieces.append((key, shard.index, value.shape[0], shard.data))
+                    nbytes += shard.data.nbytes
+        batch, offset = self._batches, self._rows
+        self._batches, self._rows = batch + 1, offset + rows
+        self._writer.submit(nbytes, functools.partial(self._write, batch, offset, rows, pieces))
+        return out
+
+    def _rows_of(self, values) -> int:
+        sizes = {key: v.shape[0] for key, v in values.items()}
+        if self._per_batch:
+            return 0
+        if len(set(sizes.values())) > 1:
+            shown = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
+            raise StoreError(
+                f"stx.record to {self.path!r}: the values have different numbers of examples "
+                f"along their examples axis ({shown}). Give each key's examples axis with "
+                "axis={key: ...}, or leave some out with only=."
+            )
+        return next(iter(sizes.values()), 0)
+
+    def _write(self, batch, offset, rows, pieces) -> None:
+        """The writer's job for one batch: every piece into its region, then the commit."""
+        start = batch if self._per_batch else offset
+        end = start + (1 if self._per_batch else rows)
+        try:
+            for key in {key for key, *_ in pieces}:
+                self._arrays[key] = _grow(self._arrays[key], end)
+            futures = []
+            for key, index, length, data in pieces:
+                region = (_shift(index[0], start, length), *index[1:])
+                futures.append(self._arrays[key][region].write(np.asarray(data)))
+            for future in futures:
+                future.result()
+            layout.write_commit(self.path, self._process, batch + 1, offset + rows)
+        except Exception as error:
+            raise StoreError(
+                f"stx.record to {self.path!r}: writing batch {batch} failed: {error}. The "
+                f"store keeps the {batch} batches committed before it; record again to append "
+                "after them."
+            ) from error
+        if self._bar is not None:
+            self._bar.update(1)
+
+    # The store: made (or checked) on the first call, when the values' shapes are known.
+
+    def _open(self, values) -> None:
+        described = {
+            str(key): {
+                "path": layout.array_path(str(key)),
+                "row_shape": list(v.shape[1:]),
+                "dtype": str(v.dtype),
+                "rows": "batches" if self._per_batch else "examples",
+                "location": key.location,
+                "reduce": key.reduce,
+            }
+            for key, v in values.items()
+        }
+        if self.metadata is not None:
+            self._check(values, described)
+            if self._process == 0:
+                for key in described:  # a partial batch after the last committed one goes
+                    end = self._batches if self._per_batch else self._rows
+                    array = layout.open_array(self.path, key)
+                    array.resize(exclusive_max=[end, *array.shape[1:]]).result()
+        elif self._process == 0:
+            for key, v in values.items():
+                layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), _chunk(v))
+            self.metadata = _metadata(described, self._processes, self._subsample, self._selection)
+            layout.write_metadata(self.path, self.metadata)
+        if self._processes > 1:  # every process opens what process 0 made
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"statax.record:{self.path}")
+            self.metadata = layout.read_metadata(self.path)
+        self._arrays = {str(k): layout.open_array(self.path, str(k)) for k in values}
+
+    def _check(self, values, described=None) -> None:
+        described = described or {
+            str(k): {"row_shape": list(v.shape[1:]), "dtype": str(v.dtype)}
+            for k, v in values.items()
+        }
+        held = self.metadata["keys"]
+        problems = [f"keys {sorted(set(described) - set(held))} are new"] * bool(
+            set(described) - set(held)
+        ) + [f"keys {sorted(set(held) - set(described))} are missing"] * bool(
+            set(held) - set(described)
+        )
+        for key in sorted(set(described) & set(held)):
+            now, then = described[key], held[key]
+            if (now["row_shape"], now["dtype"]) != (then["row_shape"], then["dtype"]):
+                problems.append(
+                    f"{key!r} is {now['dtype']}{tuple(now['row_shape'])} per row, where the "
+                    f"store holds {then['dtype']}{tuple(then['row_shape'])}"
+                )
+        if problems:
+            raise StoreError(
+                f"stx.record to {self.path!r}: this batch does not fit the store: "
+                + "; ".join(problems)
+                + f". The store keeps its {self._batches_committed()} committed batches. Record "
+                "what it holds (the same marks, selections and shapes), or to a new path."
+            )
+
+    def _batches_committed(self) -> int:
+        return layout.committed(self.path, self._processes)[0]
+
+    # Waiting and closing.
+
+    @property
+    def batches(self) -> int:
+        """The batches recorded so far (those submitted; `flush()` waits for them)."""
+        return self._batches
+
+    def flush(self) -> None:
+        """Wait until every batch recorded so far is written and committed."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.flush()
+        finally:
+            self._writer.close()
+            if self._bar is not None:
+                self._bar.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
+    """Keep `k` random positions (sorted) per example along `axis` of every value that has it;
+    the same positions in each, drawn from `seed` and the batch's number."""
+    having = {key: v.shape[axis] for key, v in values.items() if v.ndim > axis}
+    if len(set(having.values())) != 1:
+        shown = ", ".join(f"{k!r}: {n}" for k, n in having.items()) or "none has one"
+        raise StoreError(
+            f"stx.record(positions={k}, position_axis={axis}): the values must have one length "
+            f"along axis {axis} to subsample it ({shown}). Leave the others out with only=."
+        )
+    length = next(iter(having.values()))
+    if k > length:
+        raise StoreError(
+            f"stx.record(positions={k}): the values have {length} positions along axis {axis}; "
+            f"keep at most {length}."
+        )
+    examples = next(iter(values.values())).shape[0]
+    key = jax.random.fold_in(jax.random.key(seed), batch)
+    kept = jnp.sort(jnp.argsort(jax.random.uniform(key, (examples, length)), axis=1)[:, :k], 1)
+    out = {}
+    for name, v in values.items():
+        if name in having:
+            shape = [examples] + [1] * (v.ndim - 1)
+            shape[axis] = k
+            v = jnp.take_along_axis(v, kept.reshape(shape), axis=axis)
+        out[name] = v
+    out[Key(POSITIONS, "stx.record(positions=...)")] = kept.astype(jnp.int32)
+    return out
+
+
+def _grow(array, rows: int):
+    """`array`, at least `rows` long (another process may have grown it already)."""
+    if array.resolve().result().domain.exclusive_max[0] >= rows:
+        return array.resolve().result()
+    try:
+        return array.resize(
+            exclusive_max=[rows, *[None] * (array.rank - 1)],
+            expand_only=True,
+            resize_metadata_only=True,
+        ).result()
+    except ValueError as error:  # grown past `rows` meanwhile
+        if "shrink" not in str(error):
+            raise
+        return array.resolve().result()
+
+
+def _shift(index: slice, start: int, length: int) -> slice:
+    """A shard's rows (`index` into a batch of `length`) in the store, the batch at `start`."""
+    lo, hi, _ = index.indices(length)
+    return slice(start + lo, start + hi)
+
+
+def _chunk(value: jax.Array) -> tuple:
+    """One shard's region per chunk (so processes write disjoint chunks), fewer rows where
+    that passes `_CHUNK_BYTES`."""
+    shard = value.sharding.shard_shape(value.shape)
+    row = int(np.prod(shard[1:], dtype=np.int64)) * value.dtype.itemsize
+    rows = max(1, shard[0])
+    while rows > 1 and rows * row > _CHUNK_BYTES:
+        rows = next(d for d in range(rows // 2, 0, -1) if shard[0] % d == 0)
+    return (rows, *[max(1, n) for n in shard[1:]])
+
+
+def _metadata(keys, processes, subsample, selection) -> dict:
+    return {
+        "format": layout.FORMAT,
+        "keys": keys,
+        "rows": "batches" if any(k["rows"] == "batches" for k in keys.values()) else "examples",
+        "selection": selection,
+        "subsample": None
+        if subsample is None
+        else dict(zip(("positions", "axis", "seed"), subsample)) | {"key": POSITIONS},
+        "processes": processes,
+        "versions": {
+            "statax": _version("statax"),
+            "jax": jax.__version__,
+            "jaxlib": _version("jaxlib"),
+            "tensorstore": _version("tensorstore"),
+        },
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _location(key) -> str:
+    return getattr(key, "location", "")
+
+
+def _qualname(f) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+
+
+@functools.cache
+def _check_host_memory_on(platform: str) -> str | None:
+    probe = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
+    try:
+        kind = probe(jnp.zeros(1)).sharding.memory_kind
+    except Exception as error:  # XLA has no host placement here
+        return str(error).splitlines()[0]
+    return None if kind == "pinned_host" else f"its outputs stay in {kind!r} memory"
+
+
+def _check_host_memory() -> None:
+    platform = jax.devices()[0].platform
+    why = _check_host_memory_on(platform)
+    if why is not None:
+        raise ValueError(
+            f"stx.record(offload=True): this backend ({platform}, JAX {jax.__version__}) cannot "
+            f"place values in host memory inside a compiled program ({why}). Record without "
+            "offload=True: values then leave the device as they are written."
+        )
+
+
+def _progress_bar(progress, path, initial):
+    if progress is False:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if progress:
+            raise ImportError(
+                'stx.record(progress=True) needs tqdm. Install it with: pip install "statax[store]"'
+            ) from None
+        return None
+    return tqdm(
+        desc=f"recording to {path}", unit="batch", initial=initial, disable=None if progress is None else False
+    )
