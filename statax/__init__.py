@@ -45,14 +45,14 @@ from ._monitor.stats import stats as stats
 from ._monitor.stats import tree_stats as tree_stats
 from ._monitor.track import Tracker as Tracker
 from ._select.vocabulary import lines as lines
+from ._select.vocabulary import modules as modules
+from ._select.vocabulary import primitives as primitives
+from ._select.vocabulary import scopes as scopes
 from ._store.reading import Store as Store
 from ._store.reading import StoredArray as StoredArray
 from ._store.reading import open_store as open_store
 from ._store.record import Recorder as Recorder
 from ._store.record import record as record
-from ._select.vocabulary import modules as modules
-from ._select.vocabulary import primitives as primitives
-from ._select.vocabulary import scopes as scopes
 from .handlers.cond import BranchMismatchError as BranchMismatchError
 
 _display.register_notebook_display()  # in Jupyter or Colab, pull's dicts display as tables

@@ -3,6 +3,7 @@
 Imports run toward the engine, never away from it:
 
     __init__, testing   the public API
+    _store              a store of captures on disk: record, open_store
     _monitor            stats, sinks, records, the tracker, the notebook display
     _drivers            pull, plant, grad_inters, stateful: trace, hook the evaluator, cache, name
     _select             selections: the vocabulary, objects, Flax Linen, places, reports
@@ -33,7 +34,8 @@ MAY_IMPORT = {
     "_select": {"_select", "_core", "_jax"},
     "_drivers": {"_drivers", "_select", "_core", "_jax"},
     "_monitor": {"_monitor", "_drivers", "_select", "_core", "_jax"},
-    "top": {"top", "_monitor", "_drivers", "_select", "handlers", "extend", "_core", "_jax"},
+    "_store": {"_store", "_monitor", "_drivers", "_select", "_core", "_jax"},
+    "top": {"top", "_store", "_monitor", "_drivers", "_select", "handlers", "extend", "_core", "_jax"},
 }
 # What a handler module may import besides `statax.extend`, the standard library and JAX's
 # public API: its own library.
@@ -82,7 +84,16 @@ def statax_modules() -> list[pathlib.Path]:
 
 def test_the_layers_are_the_folders():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert folders == ["_core", "_drivers", "_jax", "_monitor", "_select", "extend", "handlers"]
+    assert folders == [
+        "_core",
+        "_drivers",
+        "_jax",
+        "_monitor",
+        "_select",
+        "_store",
+        "extend",
+        "handlers",
+    ]
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert flat == ["__init__.py", "testing.py"]
 

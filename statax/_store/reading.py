@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+
 import numpy as np
 
 from .._core.errors import StoreError
@@ -140,9 +141,15 @@ class Store(Mapping):
                 read.append(np.arange(start, min(start + block, rows)))
                 i += 1
             spans = [(int(r[0]), int(r[-1]) + 1) for r in read]
-            fresh = [np.concatenate([a.rows(lo, hi) for lo, hi in spans]) for a in arrays] if spans else None
+            fresh = (
+                [np.concatenate([a.rows(lo, hi) for lo, hi in spans]) for a in arrays]
+                if spans
+                else None
+            )
             if pending is not None:
-                fresh = pending if fresh is None else [np.concatenate(p) for p in zip(pending, fresh)]
+                fresh = (
+                    pending if fresh is None else [np.concatenate(p) for p in zip(pending, fresh)]
+                )
                 pending = None
             n = len(fresh[0])
             order = rng.permutation(n) if shuffle else np.arange(n)

@@ -114,7 +114,9 @@ class Recorder:
     """What `stx.record` returns: call it as the function; `flush()` waits for the writes;
     `close()` (or leaving a `with` block) flushes and stops the writer."""
 
-    def __init__(self, pulled, path, *, axis, subsample, offload, max_in_flight, progress, selection):
+    def __init__(
+        self, pulled, path, *, axis, subsample, offload, max_in_flight, progress, selection
+    ):
         self.path = path
         self._pulled = pulled
         self._axis = axis
@@ -178,7 +180,11 @@ class Recorder:
                 if self._per_batch:
                     leaf = leaf[None]
                 else:
-                    a = self._axis.get(str(key), 0) if isinstance(self._axis, Mapping) else self._axis
+                    a = (
+                        self._axis.get(str(key), 0)
+                        if isinstance(self._axis, Mapping)
+                        else self._axis
+                    )
                     if leaf.ndim <= a:
                         raise StoreError(
                             f"stx.record: {name!r} (saved at {_location(key)}) has shape "
@@ -475,5 +481,8 @@ def _progress_bar(progress, path, initial):
             ) from None
         return None
     return tqdm(
-        desc=f"recording to {path}", unit="batch", initial=initial, disable=None if progress is None else False
+        desc=f"recording to {path}",
+        unit="batch",
+        initial=initial,
+        disable=None if progress is None else False,
     )

@@ -37,9 +37,11 @@ class Writer:
         limit (a job larger than the limit runs alone)."""
         with self._cv:
             self._cv.wait_for(
-                lambda: self._error is not None
-                or self._in_flight == 0
-                or self._in_flight + nbytes <= self.limit
+                lambda: (
+                    self._error is not None
+                    or self._in_flight == 0
+                    or self._in_flight + nbytes <= self.limit
+                )
             )
             self._raise()
             self._in_flight += nbytes

@@ -1,0 +1,511 @@
+"""`stx.record` and `stx.open_store`: what the store holds, read back, against what `pull`
+returns for each batch (gathered); sharded over 8 devices and written by 2 processes; killed
+mid-write and resumed; and every bad input."""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import statax as stx
+from statax._store.writing import Writer
+from tests.store import worker
+
+WORKER = os.path.join(os.path.dirname(__file__), "store", "worker.py")
+
+
+def model(x, w):
+    h = stx.save_inter(jnp.tanh(x @ w), name="h")
+    with stx.scope("block"):
+        stx.save_inter(h * 2.0, name="out")
+    return jnp.sum(h, axis=-1)
+
+
+W = jnp.linspace(-1, 1, 12).reshape(3, 4)
+
+
+def batch(i, n=5):
+    return jnp.asarray(np.random.default_rng(i).normal(size=(n, 3)), jnp.float32)
+
+
+def pulled(fn, batches, **kwargs):
+    """What `pull` returns for each batch, concatenated along the examples (the oracle)."""
+    results = [flatten(stx.pull(fn, **kwargs)(*args)[1]) for args in batches]
+    return {k: np.concatenate([r[k] for r in results]) for k in results[0]}
+
+
+def assert_store_equals(store, expected):
+    assert sorted(store) == sorted(expected)
+    for key, value in expected.items():
+        assert store[key].shape == value.shape, key
+        np.testing.assert_allclose(store[key][:], value, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+# ---- what the store holds ---------------------------------------------------------------------
+
+
+def test_the_store_holds_what_pull_returns_and_fn_s_output_comes_back(tmp_path):
+    batches = [(batch(i), W) for i in range(3)]
+    with stx.record(model, to=tmp_path / "acts.zarr", progress=False) as recorder:
+        outs = [recorder(*args) for args in batches]
+    for out, args in zip(outs, batches):
+        np.testing.assert_allclose(out, model(*args), rtol=1e-6)
+    store = stx.open_store(tmp_path / "acts.zarr")
+    assert_store_equals(store, pulled(model, batches))
+    assert (store.batches_committed, store.rows) == (3, 15)
+    assert isinstance(store["h_0"], stx.StoredArray) and store["h_0"].dtype == np.float32
+    np.testing.assert_allclose(store["h_0"][2:4, 1], pulled(model, batches)["h_0"][2:4, 1])
+
+
+def test_the_metadata_says_what_each_key_is_and_where_it_was_saved(tmp_path):
+    with stx.record(model, to=tmp_path / "s", progress=False) as recorder:
+        recorder(batch(0), W)
+    meta = stx.open_store(tmp_path / "s").metadata
+    line = model.__code__.co_firstlineno
+    assert meta["keys"] == {
+        "h_0": {
+            "path": "h_0",
+            "row_shape": [4],
+            "dtype": "float32",
+            "rows": "examples",
+            "location": f"{__file__}:{line + 1}",
+            "reduce": None,
+        },
+        "block/out_0": {
+            "path": "block%2Fout_0",
+            "row_shape": [4],
+            "dtype": "float32",
+            "rows": "examples",
+            "location": f"{__file__}:{line + 3}",
+            "reduce": None,
+        },
+    }
+    assert meta["versions"]["jax"] == jax.__version__
+    assert meta["versions"]["statax"] == stx.__version__
+    assert meta["processes"] == 1 and meta["subsample"] is None
+    assert (tmp_path / "s" / "block%2Fout_0" / "zarr.json").exists()  # a zarr v3 array per key
+
+
+def test_pytree_values_dtypes_and_an_examples_axis_given_per_key(tmp_path):
+    def fn(x):
+        stx.save_inter({"a": x, "b": (x > 0, x.astype(jnp.bfloat16))}, name="tree")
+        stx.save_inter(jnp.swapaxes(jnp.stack([x, 2 * x]), 0, 1).T, name="t")  # (3, 2, n)
+        return x
+
+    batches = [(batch(i),) for i in range(2)]
+    with stx.record(fn, to=tmp_path / "s", axis={"t_0": 2}, progress=False) as recorder:
+        for args in batches:
+            recorder(*args)
+    store = stx.open_store(tmp_path / "s")
+    expected = pulled(fn, batches)
+    tree = [
+        (jax.tree_util.keystr(p), v)
+        for p, v in jax.tree_util.tree_leaves_with_path(
+            [stx.pull(fn)(*a)[1]["tree_0"] for a in batches]
+        )
+    ]
+    assert sorted(store) == ["t_0", "tree_0['a']", "tree_0['b'][0]", "tree_0['b'][1]"]
+    assert store["tree_0['b'][0]"].dtype == np.bool_
+    assert store["tree_0['b'][1]"].dtype == jnp.bfloat16
+    t = [np.moveaxis(stx.pull(fn)(*args)[1]["t_0"], 2, 0) for args in batches]
+    np.testing.assert_array_equal(store["t_0"][:], np.concatenate(t))
+    np.testing.assert_array_equal(store["tree_0['a']"][:], expected["tree_0['a']"])
+    np.testing.assert_array_equal(
+        store["tree_0['b'][0]"][:], np.concatenate([v for p, v in tree if p.endswith("[0]")])
+    )
+
+
+def test_only_at_and_summarize_as_in_pull(tmp_path):
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(3, 2, width_size=4, depth=2, key=jax.random.PRNGKey(0))
+    batches = [(batch(i),) for i in range(2)]
+    at = stx.modules("layers[*]", of=mlp)
+    with stx.record(lambda x: jax.vmap(mlp)(x), to=tmp_path / "at", at=at, progress=False) as r:
+        for args in batches:
+            r(*args)
+    store = stx.open_store(tmp_path / "at")
+    assert_store_equals(store, pulled(lambda x: jax.vmap(mlp)(x), batches, at=at))
+    hand = [np.asarray(jax.vmap(mlp.layers[0])(x)) for (x,) in batches]
+    np.testing.assert_allclose(store["layers[0]_0"][:], np.concatenate(hand), rtol=1e-6)
+    assert "layers[*]" in store.metadata["selection"]["at"]
+
+    with stx.record(model, to=tmp_path / "only", only="h", progress=False) as r:
+        r(batch(0), W)
+    assert list(stx.open_store(tmp_path / "only")) == ["h_0"]
+
+    with stx.record(model, to=tmp_path / "sum", summarize=stx.stats, progress=False) as r:
+        for i in range(3):
+            r(batch(i), W)
+    store = stx.open_store(tmp_path / "sum")
+    assert store.metadata["rows"] == "batches" and store.rows == 0
+    assert store["h_0['mean']"].shape == (3,)  # a row per batch
+    means = [float(jnp.mean(stx.pull(model)(batch(i), W)[1]["h_0"])) for i in range(3)]
+    np.testing.assert_allclose(store["h_0['mean']"][:], means, rtol=1e-5)
+
+
+# ---- less before it leaves: a subsample of positions ------------------------------------------
+
+
+def sequences(x, w):
+    h = stx.save_inter(jnp.tanh(x @ w), name="h")  # (examples, positions, 4)
+    stx.save_inter(jnp.sum(h, axis=(1, 2)), name="total")  # (examples,): no positions
+    return h
+
+
+def test_positions_keeps_k_seeded_positions_per_example(tmp_path):
+    xs = [
+        jnp.asarray(np.random.default_rng(i).normal(size=(6, 10, 3)), jnp.float32) for i in range(3)
+    ]
+
+    def record(path, batches, **kwargs):
+        with stx.record(sequences, to=path, positions=4, seed=7, progress=False, **kwargs) as r:
+            for x in batches:
+                r(x, W)
+        return stx.open_store(path)
+
+    store = record(tmp_path / "a", xs)
+    kept = store["_positions"][:]
+    assert kept.shape == (18, 4) and kept.dtype == np.int32
+    assert all(len(set(row)) == 4 and list(row) == sorted(row) for row in kept)
+    assert kept.min() >= 0 and kept.max() < 10
+    full = pulled(sequences, [(x, W) for x in xs])
+    np.testing.assert_allclose(
+        store["h_0"][:], np.take_along_axis(full["h_0"], kept[:, :, None], axis=1), rtol=1e-6
+    )
+    np.testing.assert_allclose(store["total_0"][:], full["total_0"], rtol=1e-6)  # whole
+    assert store.metadata["subsample"] == {
+        "positions": 4,
+        "axis": 1,
+        "seed": 7,
+        "key": "_positions",
+    }
+    # Seeded: the same positions again; other batches, other positions; resumed, the same.
+    np.testing.assert_array_equal(record(tmp_path / "b", xs)["_positions"][:], kept)
+    assert not np.array_equal(kept[:6], kept[6:12])
+    record(tmp_path / "c", xs[:1])
+    np.testing.assert_array_equal(record(tmp_path / "c", xs[1:])["_positions"][:], kept)
+
+
+# ---- sharded, and several processes -------------------------------------------------------------
+
+
+def run_worker(mode, store, batches, *extra, check=True):
+    result = subprocess.run(
+        [sys.executable, WORKER, mode, str(store), str(batches), *map(str, extra)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def worker_truth(batches):
+    return pulled(worker.model, [(worker.batch(i), worker.WEIGHTS) for i in range(batches)])
+
+
+def test_sharded_over_a_2d_mesh_of_8_devices_each_shard_is_written_and_nothing_gathered(tmp_path):
+    result = run_worker("sharded", tmp_path / "s", 3)
+    assert "NO-ALL-GATHER" in result.stdout
+    store = stx.open_store(tmp_path / "s")
+    assert_store_equals(store, worker_truth(3))
+    # A chunk per shard: 16 examples over 4 devices, 8 features over 2.
+    assert store["h_0"]._array.chunk_layout.write_chunk.shape == (4, 4)
+
+
+def flatten(inters):
+    """`pull`'s dict with a pytree value's leaves by key, as the store keys them."""
+    out = {}
+    for key, value in inters.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            out[key + jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return out
+
+
+def test_two_processes_under_jax_distributed_write_one_store(tmp_path):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                "distributed",
+                str(tmp_path / "s"),
+                "3",
+                str(p),
+                "2",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for p in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    store = stx.open_store(tmp_path / "s")
+    assert store.metadata["processes"] == 2
+    assert sorted(os.listdir(tmp_path / "s" / "_statax")) == ["commit.0", "commit.1"]
+    assert_store_equals(store, (worker_truth(3)))
+
+
+# ---- safe and resumable -------------------------------------------------------------------------
+
+
+def test_killed_mid_write_the_store_opens_with_its_committed_batches_and_resumes(tmp_path):
+    killed = run_worker("kill", tmp_path / "s", 5, check=False)
+    assert killed.returncode == -9, (
+        killed.stdout + killed.stderr
+    )  # SIGKILL, before batch 2's commit
+    store = stx.open_store(tmp_path / "s")
+    assert store.batches_committed == 2 and store["h_0"].shape == (32, 8)
+    assert_store_equals(store, (worker_truth(2)))
+    run_worker("sharded", tmp_path / "s", 3)  # appends after batch 1: batches 2, 3 and 4
+    assert_store_equals(stx.open_store(tmp_path / "s"), (worker_truth(5)))
+
+
+def test_killed_at_any_moment_what_is_committed_is_intact(tmp_path):
+    """SIGKILL from outside, at a moment of the writes' own choosing."""
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, "sharded", str(tmp_path / "s"), "100000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    commits = tmp_path / "s" / "_statax" / "commit.0"
+    deadline = time.monotonic() + 120
+    while not commits.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    store = stx.open_store(tmp_path / "s")
+    assert store.batches_committed >= 1
+    assert_store_equals(store, (worker_truth(store.batches_committed)))
+
+
+def test_a_full_disk_is_an_error_and_loses_nothing_committed(tmp_path):
+    result = run_worker("disk", tmp_path / "s", 6, check=False)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "writing batch 2 failed" in result.stdout and "File too large" in result.stdout
+    assert "keeps the 2 batches committed" in result.stdout
+    store = stx.open_store(tmp_path / "s")
+    assert_store_equals(store, (worker_truth(2)))
+
+
+def test_appending_with_other_keys_shapes_or_dtypes_is_an_error_that_keeps_the_store(tmp_path):
+    path = tmp_path / "s"
+    with stx.record(model, to=path, progress=False) as r:
+        r(batch(0), W)
+    before = pulled(model, [(batch(0), W)])
+
+    def other(x, w):
+        stx.save_inter(jnp.tanh(x @ w), name="h")
+        return x
+
+    cases = [
+        (other, (batch(1), W), r"keys \['block/out_0'\] are missing"),
+        (
+            model,
+            (batch(1), jnp.ones((3, 5))),
+            r"'h_0' is float32\(5,\) per row, where the store holds float32\(4,\)",
+        ),
+        (model, (batch(1).astype(jnp.float16), W.astype(jnp.float16)), r"float16\(4,\) per row"),
+    ]
+    for fn, args, message in cases:
+        recorder = stx.record(fn, to=path, progress=False)
+        with pytest.raises(stx.StoreError, match=message) as info:
+            recorder(*args)
+        assert "keeps its 1 committed batches" in str(info.value)
+        recorder.close()
+        assert_store_equals(stx.open_store(path), before)
+
+
+def test_a_path_that_is_not_a_store(tmp_path):
+    (tmp_path / "file").write_text("hello")
+    with pytest.raises(stx.StoreError, match="is a file, not a store"):
+        stx.record(model, to=tmp_path / "file")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "notes.txt").write_text("mine")
+    with pytest.raises(stx.StoreError, match=r"not a store of captures.*notes.txt"):
+        stx.record(model, to=tmp_path / "dir")
+    with pytest.raises(stx.StoreError, match="does not exist"):
+        stx.open_store(tmp_path / "nothing")
+    assert (tmp_path / "dir" / "notes.txt").read_text() == "mine"
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="summarize= leaves only summaries"):
+        stx.record(model, to=tmp_path / "a", positions=2, summarize=stx.stats)
+    with pytest.raises(ValueError, match="on an axis after the examples"):
+        stx.record(model, to=tmp_path / "a", positions=2, position_axis=0)
+    with pytest.raises(TypeError, match="needs a callable"):
+        stx.record(3, to=tmp_path / "a")
+    with stx.record(sequences, to=tmp_path / "b", positions=20, progress=False) as r:
+        with pytest.raises(stx.StoreError, match="have 10 positions along axis 1; keep at most 10"):
+            r(jnp.ones((2, 10, 3)), W)
+    with stx.record(model, to=tmp_path / "c", axis=1, progress=False) as r:
+        with pytest.raises(
+            stx.StoreError, match=r"'h_0' \(saved at .*test_record.py:\d+\) has shape"
+        ):
+            r(jnp.ones(3), W)
+
+    def ragged(x):
+        stx.save_inter(x, name="a")
+        stx.save_inter(x[:2], name="b")
+        return x
+
+    with stx.record(ragged, to=tmp_path / "d", progress=False) as r:
+        with pytest.raises(
+            stx.StoreError, match=r"different numbers of examples .*'a_0': 5, 'b_0': 2"
+        ):
+            r(batch(0))
+    recorder = stx.record(model, to=tmp_path / "e", progress=False)
+    recorder.close()
+    with pytest.raises(stx.StoreError, match="the recorder is closed"):
+        recorder(batch(0), W)
+
+
+# ---- asynchronous, with bounded memory ---------------------------------------------------------
+
+
+def test_the_writer_runs_in_order_in_the_background_and_bounds_the_bytes_in_flight():
+    release, done = threading.Event(), []
+    writer = Writer(limit=100)
+    writer.submit(60, lambda: (release.wait(), done.append(1)))
+    writer.submit(40, lambda: done.append(2))  # fits: 100 in flight, returns at once
+    assert writer.in_flight == 100 and done == []
+    third = threading.Thread(target=writer.submit, args=(10, lambda: done.append(3)))
+    third.start()
+    time.sleep(0.2)
+    assert third.is_alive()  # at the limit, the next submit waits
+    release.set()
+    third.join(5)
+    writer.flush()
+    assert done == [1, 2, 3] and writer.in_flight == 0
+    writer.submit(10**6, lambda: done.append(4))  # larger than the limit: runs alone
+    writer.flush()
+    assert done[-1] == 4
+
+    def fail():
+        raise OSError("disk full")
+
+    writer.submit(1, fail)
+    writer.submit(1, lambda: done.append(5))  # after a failed job: never runs
+    with pytest.raises(OSError, match="disk full"):
+        writer.flush()
+    with pytest.raises(OSError, match="disk full"):
+        writer.submit(1, lambda: None)
+    assert 5 not in done
+    writer.close()
+
+
+def test_a_call_returns_before_its_batch_is_written(tmp_path, monkeypatch):
+    from statax._store import layout
+
+    release = threading.Event()
+    commit = layout.write_commit
+    monkeypatch.setattr(layout, "write_commit", lambda *a: (release.wait(), commit(*a)))
+    recorder = stx.record(model, to=tmp_path / "s", progress=False)
+    recorder(batch(0), W)
+    recorder(batch(1), W)  # returns while batch 0 waits for its commit
+    assert recorder.batches == 2 and stx.open_store(tmp_path / "s").batches_committed == 0
+    release.set()
+    recorder.close()
+    assert stx.open_store(tmp_path / "s").batches_committed == 2
+
+
+# ---- off the device early -----------------------------------------------------------------------
+
+
+def test_offload_moves_the_captures_to_host_memory_inside_the_program(tmp_path):
+    x = batch(0)
+    try:
+        recorder = stx.record(model, to=tmp_path / "s", offload=True, progress=False)
+    except ValueError as error:  # the floor JAX's CPU backend has no host placement
+        assert "cannot place values in host memory" in str(error)
+        assert jax.__version_info__ < (0, 9)
+        return
+    compiled = recorder.lower(x, W).compile()
+    out_shardings, captured = compiled.output_shardings
+    assert {s.memory_kind for s in jax.tree.leaves(captured)} == {"pinned_host"}
+    assert out_shardings.memory_kind == "device"  # fn's output stays where it was
+    with recorder:
+        recorder(x, W)
+    assert_store_equals(stx.open_store(tmp_path / "s"), pulled(model, [(x, W)]))
+
+
+# ---- read back ---------------------------------------------------------------------------------
+
+
+def test_batches_shuffle_across_recorded_batches_and_give_each_row_once(tmp_path):
+    def ident(x):
+        stx.save_inter(x, name="x")
+        stx.save_inter(x[:, 0] * 2, name="twice")
+        return x
+
+    rows = np.arange(200, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    with stx.record(ident, to=tmp_path / "s", progress=False) as r:
+        for i in range(10):
+            r(jnp.asarray(rows[20 * i : 20 * i + 20]))
+    store = stx.open_store(tmp_path / "s")
+    got = list(store.batches(16, buffer_rows=64, seed=1))
+    assert len(got) == 12 and all(len(b["x_0"]) == 16 for b in got)  # 200 // 16, the rest dropped
+    seen = np.concatenate([b["x_0"][:, 0] for b in got])
+    assert len(set(seen)) == 192 and set(seen) <= set(range(200))
+    for b in got:  # the same rows of each key
+        np.testing.assert_array_equal(b["twice_0"], 2 * b["x_0"][:, 0])
+    assert any(len({int(v) // 20 for v in b["x_0"][:, 0]}) > 2 for b in got)  # mixed batches
+    assert not np.array_equal(seen, np.sort(seen))
+    again = np.concatenate([b["x_0"][:, 0] for b in store.batches(16, buffer_rows=64, seed=1)])
+    np.testing.assert_array_equal(again, seen)
+    every = np.concatenate([b["x_0"][:, 0] for b in store.batches(16, drop_last=False)])
+    assert sorted(every) == list(range(200))
+    plain = np.concatenate([b["x_0"][:, 0] for b in store.batches(50, shuffle=False)])
+    np.testing.assert_array_equal(plain, np.arange(200))
+
+
+# ---- random programs against the hand-threaded reference ----------------------------------------
+
+from tests import test_property as programs  # noqa: E402
+
+
+def _check_program(node):
+    """`vmap(program)`, recorded over three batches of two examples, against the reference of
+    `tests/test_property.py` (values by hand, no `save_inter`), vmapped."""
+    if not programs._valid(node):
+        return
+    xs = [programs.X[None] * (i + 1) - jnp.array([[0.0], [0.7]]) for i in range(3)]
+    try:
+        expected = [jax.vmap(programs.reference(node))(x)[1] for x in xs]
+    except programs.Mismatch:
+        return
+    names = programs.slots(node)
+    expected = [programs.named(names, values) for values in expected]
+    with tempfile.TemporaryDirectory() as tmp:
+        with stx.record(jax.vmap(programs.build(node)), to=tmp + "/s", progress=False) as rec:
+            for x in xs:
+                rec(x)
+        store = stx.open_store(tmp + "/s")
+        assert sorted(store) == sorted(expected[0])
+        for key in expected[0]:
+            np.testing.assert_allclose(
+                store[key][:], np.concatenate([e[key] for e in expected]), rtol=1e-4, atol=1e-5
+            )
+
+
+test_random_programs_recorded, test_random_programs_recorded_at_size = programs.sized(
+    _check_program, programs.programs, [programs.LEAF], quick=3, at_size=20
+)
