@@ -35,7 +35,17 @@ MAY_IMPORT = {
     "_drivers": {"_drivers", "_select", "_core", "_jax"},
     "_monitor": {"_monitor", "_drivers", "_select", "_core", "_jax"},
     "_store": {"_store", "_monitor", "_drivers", "_select", "_core", "_jax"},
-    "top": {"top", "_store", "_monitor", "_drivers", "_select", "handlers", "extend", "_core", "_jax"},
+    "top": {
+        "top",
+        "_store",
+        "_monitor",
+        "_drivers",
+        "_select",
+        "handlers",
+        "extend",
+        "_core",
+        "_jax",
+    },
 }
 # What a handler module may import besides `statax.extend`, the standard library and JAX's
 # public API: its own library.

@@ -136,7 +136,11 @@ def test_only_at_and_summarize_as_in_pull(tmp_path):
     assert_store_equals(store, pulled(lambda x: jax.vmap(mlp)(x), batches, at=at))
     hand = [np.asarray(jax.vmap(mlp.layers[0])(x)) for (x,) in batches]
     np.testing.assert_allclose(store["layers[0]_0"][:], np.concatenate(hand), rtol=1e-6)
-    assert "layers[*]" in store.metadata["selection"]["at"]
+    assert store.metadata["selection"] == {
+        "only": None,
+        "at": ["stx.modules('layers[*]')"],
+        "summarize": None,
+    }
 
     with stx.record(model, to=tmp_path / "only", only="h", progress=False) as r:
         r(batch(0), W)
@@ -147,6 +151,7 @@ def test_only_at_and_summarize_as_in_pull(tmp_path):
             r(batch(i), W)
     store = stx.open_store(tmp_path / "sum")
     assert store.metadata["rows"] == "batches" and store.rows == 0
+    assert store.metadata["selection"]["summarize"] == "statax._monitor.stats.stats"
     assert store["h_0['mean']"].shape == (3,)  # a row per batch
     means = [float(jnp.mean(stx.pull(model)(batch(i), W)[1]["h_0"])) for i in range(3)]
     np.testing.assert_allclose(store["h_0['mean']"][:], means, rtol=1e-5)
@@ -296,6 +301,21 @@ def test_killed_at_any_moment_what_is_committed_is_intact(tmp_path):
     assert_store_equals(store, (worker_truth(store.batches_committed)))
 
 
+def test_lock_files_a_killed_writer_left_do_not_corrupt_the_next_run(tmp_path):
+    """tensorstore reuses a stale `<file>.__lock` without truncating it: a run that appends
+    removes them first."""
+    path = tmp_path / "s"
+    with stx.record(model, to=path, progress=False) as r:
+        r(batch(0), W)
+    for stale in (path / "h_0" / "zarr.json.__lock", path / "_statax" / "commit.0.__lock"):
+        stale.write_text("x" * 5000)
+    with stx.record(model, to=path, progress=False) as r:
+        r(batch(1), W)
+    store = stx.open_store(path)
+    assert store.batches_committed == 2
+    assert_store_equals(store, pulled(model, [(batch(0), W), (batch(1), W)]))
+
+
 def test_a_full_disk_is_an_error_and_loses_nothing_committed(tmp_path):
     result = run_worker("disk", tmp_path / "s", 6, check=False)
     assert result.returncode == 3, result.stdout + result.stderr
@@ -381,34 +401,62 @@ def test_bad_arguments(tmp_path):
 # ---- asynchronous, with bounded memory ---------------------------------------------------------
 
 
+def job(done, tag, wait=None, fail=None):
+    """A writer's job: its start records `("start", tag)`, its finish `("finish", tag)`."""
+
+    def start():
+        done.append(("start", tag))
+        if fail == "start":
+            raise OSError(f"disk full at {tag}")
+
+        def finish(commit):
+            if wait is not None:
+                wait.wait()
+            if fail == "finish":
+                raise OSError(f"disk full at {tag}")
+            done.append(("finish" if commit else "abandoned", tag))
+
+        return finish
+
+    return start
+
+
 def test_the_writer_runs_in_order_in_the_background_and_bounds_the_bytes_in_flight():
     release, done = threading.Event(), []
     writer = Writer(limit=100)
-    writer.submit(60, lambda: (release.wait(), done.append(1)))
-    writer.submit(40, lambda: done.append(2))  # fits: 100 in flight, returns at once
-    assert writer.in_flight == 100 and done == []
-    third = threading.Thread(target=writer.submit, args=(10, lambda: done.append(3)))
+    writer.submit(60, job(done, 1, wait=release))
+    writer.submit(40, job(done, 2))  # fits: 100 in flight, returns at once
+    time.sleep(0.2)
+    assert writer.in_flight == 100
+    assert done == [("start", 1), ("start", 2)]  # both writing; 2 finishes after 1
+    third = threading.Thread(target=writer.submit, args=(10, job(done, 3)))
     third.start()
     time.sleep(0.2)
     assert third.is_alive()  # at the limit, the next submit waits
     release.set()
     third.join(5)
     writer.flush()
-    assert done == [1, 2, 3] and writer.in_flight == 0
-    writer.submit(10**6, lambda: done.append(4))  # larger than the limit: runs alone
+    assert [d for d in done if d[0] == "finish"] == [("finish", 1), ("finish", 2), ("finish", 3)]
+    assert writer.in_flight == 0
+    writer.submit(10**6, job(done, 4))  # larger than the limit: runs alone
     writer.flush()
-    assert done[-1] == 4
+    assert done[-1] == ("finish", 4)
+    writer.close()
 
-    def fail():
-        raise OSError("disk full")
 
-    writer.submit(1, fail)
-    writer.submit(1, lambda: done.append(5))  # after a failed job: never runs
-    with pytest.raises(OSError, match="disk full"):
+@pytest.mark.parametrize("stage", ["start", "finish"])
+def test_after_a_failed_job_no_job_finishes_and_every_call_raises(stage):
+    done = []
+    writer = Writer(limit=100)
+    writer.submit(1, job(done, 1, fail=stage))
+    writer.submit(1, job(done, 2))
+    with pytest.raises(OSError, match="disk full at 1"):
         writer.flush()
-    with pytest.raises(OSError, match="disk full"):
-        writer.submit(1, lambda: None)
-    assert 5 not in done
+    with pytest.raises(OSError, match="disk full at 1"):
+        writer.submit(1, job(done, 3))
+    assert ("finish", 2) not in done and ("start", 3) not in done
+    if stage == "finish":  # 2 had started: its writes end, uncommitted
+        assert ("abandoned", 2) in done
     writer.close()
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "new_array",
     "open_array",
     "read_metadata",
+    "remove_stale_locks",
     "tensorstore",
     "write_commit",
     "write_metadata",
@@ -92,6 +93,18 @@ def read_metadata(path: str) -> dict | None:
 def write_metadata(path: str, metadata: dict) -> None:
     group = {"zarr_format": 3, "node_type": "group", "attributes": {"statax": metadata}}
     kvstore(path).write(_GROUP, json.dumps(group, indent=1).encode()).result()
+
+
+def remove_stale_locks(path: str) -> None:
+    """Remove the lock files a killed writer left. tensorstore's file store writes a file
+    through `<name>.__lock`, then renames it into place; a process killed in between leaves
+    that file, and the next write of `<name>` reuses it without truncating it (seen with
+    tensorstore 0.1.86: a longer stale file leaves its tail in the new one). Called before any
+    process writes to a store it appends to."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            if name.endswith(".__lock"):
+                os.remove(os.path.join(folder, name))
 
 
 def committed(path: str, processes: int) -> tuple[int, int]:

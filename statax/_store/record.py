@@ -9,6 +9,8 @@ writes them into their regions of the store while the device runs the next step.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -94,8 +96,9 @@ def record(
             )
     if offload:
         _check_host_memory()
+    pulled = pull(fn, only=only, at=at, summarize=summarize)
     return Recorder(
-        pull(fn, only=only, at=at, summarize=summarize),
+        pulled,
         str(to),
         axis=axis,
         subsample=None if positions is None else (int(positions), int(position_axis), int(seed)),
@@ -104,7 +107,7 @@ def record(
         progress=progress,
         selection={
             "only": None if only is None else repr(only),
-            "at": None if at is None else repr(at),
+            "at": [str(selection) for selection in pulled.at],
             "summarize": None if summarize is None else _qualname(summarize),
         },
     )
@@ -118,10 +121,8 @@ class Recorder:
         self, pulled, path, *, axis, subsample, offload, max_in_flight, progress, selection
     ):
         self.path = path
-        self._pulled = pulled
-        self._axis = axis
-        self._subsample = subsample
-        self._offload = offload
+        axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
+        self._capture = _Capture(pulled, axis, subsample, offload)
         self._selection = selection
         self._per_batch = pulled.summarize is not None
         self._process, self._processes = jax.process_index(), jax.process_count()
@@ -136,6 +137,7 @@ class Recorder:
             (0, 0) if existing is None else layout.committed(path, existing["processes"])
         )
         self._arrays: dict[str, Any] | None = None  # key -> tensorstore array, from the first call
+        self._capacity: dict[str, int] = {}  # key -> rows its array holds (some uncommitted)
         self._jitted: dict = {}
         self._writer = Writer(max_in_flight)
         self._bar = _progress_bar(progress, path, self._batches)
@@ -148,18 +150,13 @@ class Recorder:
         traced = tuple(eqx.is_array(leaf) for leaf in leaves)
         static = tuple(None if t else leaf for t, leaf in zip(traced, leaves))
         dynamic = [leaf for t, leaf in zip(traced, leaves) if t]
-        key = (treedef, traced, static)
+        try:
+            key = hash(static) and (treedef, traced, static)
+        except TypeError:  # a static leaf that does not hash: by identity (the step keeps it)
+            key = (treedef, traced, tuple(map(id, static)))
         jitted = self._jitted.get(key)
         if jitted is None:
-
-            def step(batch, dynamic):
-                it = iter(dynamic)
-                full = [next(it) if t else s for t, s in zip(traced, static)]
-                args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-                out, inters = self._pulled(*args, **kwargs)
-                return out, self._device_values(inters, batch)
-
-            jitted = self._jitted[key] = jax.jit(step)
+            jitted = self._jitted[key] = _step(self._capture, treedef, traced, static)
         return jitted, dynamic
 
     def lower(self, *args, **kwargs):
@@ -167,37 +164,6 @@ class Recorder:
         its HLO (`.as_text()`) and `memory_analysis()`."""
         jitted, dynamic = self._program(args, kwargs)
         return jitted.lower(jnp.int32(self._batches), dynamic)
-
-    def _device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
-        """What is stored, on device: each value's leaves by key, examples first (a row per
-        batch under `summarize=`), subsampled, on host memory if offloaded."""
-        values = {}
-        for key, value in inters.items():
-            leaves = jax.tree_util.tree_leaves_with_path(value)
-            for path, leaf in leaves:
-                name = key if not path else f"{key}{jax.tree_util.keystr(path)}"
-                leaf = jnp.asarray(leaf)
-                if self._per_batch:
-                    leaf = leaf[None]
-                else:
-                    a = (
-                        self._axis.get(str(key), 0)
-                        if isinstance(self._axis, Mapping)
-                        else self._axis
-                    )
-                    if leaf.ndim <= a:
-                        raise StoreError(
-                            f"stx.record: {name!r} (saved at {_location(key)}) has shape "
-                            f"{leaf.shape}, with no axis {a} to count examples along. Pass "
-                            f"axis={{{str(key)!r}: ...}}, or leave it out with only=."
-                        )
-                    leaf = jnp.moveaxis(leaf, a, 0)
-                values[Key(name, _location(key), getattr(key, "reduce", None))] = leaf
-        if self._subsample is not None:
-            values = _subsample(values, *self._subsample, batch)
-        if self._offload:
-            values = {k: jax.device_put(v, jax.memory.Space.Host) for k, v in values.items()}
-        return values
 
     # A call.
 
@@ -236,28 +202,63 @@ class Recorder:
             )
         return next(iter(sizes.values()), 0)
 
-    def _write(self, batch, offset, rows, pieces) -> None:
-        """The writer's job for one batch: every piece into its region, then the commit."""
+    def _write(self, batch, offset, rows, pieces):
+        """The writer's job for one batch: start every piece's write into its region; what it
+        returns waits for them, then commits."""
         start = batch if self._per_batch else offset
         end = start + (1 if self._per_batch else rows)
-        try:
+        with self._failing(batch):
             for key in {key for key, *_ in pieces}:
-                self._arrays[key] = _grow(self._arrays[key], end)
+                self._grow(key, end)
             futures = []
             for key, index, length, data in pieces:
                 region = (_shift(index[0], start, length), *index[1:])
                 futures.append(self._arrays[key][region].write(np.asarray(data)))
-            for future in futures:
-                future.result()
-            layout.write_commit(self.path, self._process, batch + 1, offset + rows)
+
+        def finish(commit: bool):
+            with self._failing(batch):
+                for future in futures:
+                    future.result()
+                if commit:
+                    layout.write_commit(self.path, self._process, batch + 1, offset + rows)
+            if self._bar is not None:
+                self._bar.update(1)
+
+        return finish
+
+    @contextlib.contextmanager
+    def _failing(self, batch: int):
+        try:
+            yield
         except Exception as error:
             raise StoreError(
                 f"stx.record to {self.path!r}: writing batch {batch} failed: {error}. The "
                 f"store keeps the {batch} batches committed before it; record again to append "
                 "after them."
             ) from error
-        if self._bar is not None:
-            self._bar.update(1)
+
+    def _grow(self, key: str, rows: int) -> None:
+        """`key`'s array at least `rows` long: grown to twice what it holds where it is not (so
+        its metadata is rewritten a few times, not once a batch), cut back on `close()`. Another
+        process may have grown it further meanwhile."""
+        if self._capacity.get(key, -1) >= rows:
+            return
+        array = self._arrays[key]
+        try:
+            array = array.resize(
+                exclusive_max=[
+                    max(rows, 2 * self._capacity.get(key, 0)),
+                    *[None] * (array.rank - 1),
+                ],
+                expand_only=True,
+                resize_metadata_only=True,
+            ).result()
+        except ValueError as error:  # grown past that by another process
+            if "shrink" not in str(error):
+                raise
+            array = array.resolve().result()
+        self._arrays[key] = array
+        self._capacity[key] = int(array.domain.exclusive_max[0])
 
     # The store: made (or checked) on the first call, when the values' shapes are known.
 
@@ -276,19 +277,19 @@ class Recorder:
         if self.metadata is not None:
             self._check(values, described)
             if self._process == 0:
+                layout.remove_stale_locks(self.path)
                 for key in described:  # a partial batch after the last committed one goes
                     end = self._batches if self._per_batch else self._rows
-                    array = layout.open_array(self.path, key)
-                    array.resize(exclusive_max=[end, *array.shape[1:]]).result()
+                    _cut(layout.open_array(self.path, key), end)
         elif self._process == 0:
             for key, v in values.items():
                 layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), _chunk(v))
-            self.metadata = _metadata(described, self._processes, self._subsample, self._selection)
+            self.metadata = _metadata(
+                described, self._processes, self._capture.subsample, self._selection
+            )
             layout.write_metadata(self.path, self.metadata)
         if self._processes > 1:  # every process opens what process 0 made
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"statax.record:{self.path}")
+            _barrier(f"statax.record.open:{self.path}", self._processes)
             self.metadata = layout.read_metadata(self.path)
         self._arrays = {str(k): layout.open_array(self.path, str(k)) for k in values}
 
@@ -338,16 +339,77 @@ class Recorder:
         self._closed = True
         try:
             self._writer.flush()
+            self._trim()
         finally:
             self._writer.close()
             if self._bar is not None:
                 self._bar.close()
+
+    def _trim(self) -> None:
+        """Each array cut back to what is committed (they grow ahead of it)."""
+        if self._arrays is None:
+            return
+        _barrier(f"statax.record.close:{self.path}", self._processes)
+        if self._process == 0:
+            for array in self._arrays.values():
+                _cut(array, self._batches if self._per_batch else self._rows)
 
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capture:
+    """What a step does after `pull`."""
+
+    pulled: Any
+    axis: int | tuple  # an int, or `(key, axis)` pairs
+    subsample: tuple | None
+    offload: bool
+
+    def device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
+        """What is stored, on device: each value's leaves by key, examples first (a row per
+        batch under `summarize=`), subsampled, on host memory if offloaded."""
+        per_batch = self.pulled.summarize is not None
+        axes = dict(self.axis) if isinstance(self.axis, tuple) else {}
+        values = {}
+        for key, value in inters.items():
+            for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+                name = key if not path else f"{key}{jax.tree_util.keystr(path)}"
+                leaf = jnp.asarray(leaf)
+                if per_batch:
+                    leaf = leaf[None]
+                else:
+                    a = axes.get(str(key), 0) if isinstance(self.axis, tuple) else self.axis
+                    if leaf.ndim <= a:
+                        raise StoreError(
+                            f"stx.record: {name!r} (saved at {_location(key)}) has shape "
+                            f"{leaf.shape}, with no axis {a} to count examples along. Pass "
+                            f"axis={{{str(key)!r}: ...}}, or leave it out with only=."
+                        )
+                    leaf = jnp.moveaxis(leaf, a, 0)
+                values[Key(name, _location(key), getattr(key, "reduce", None))] = leaf
+        if self.subsample is not None:
+            values = _subsample(values, *self.subsample, batch)
+        if self.offload:
+            values = {k: jax.device_put(v, jax.memory.Space.Host) for k, v in values.items()}
+        return values
+
+
+def _step(capture: _Capture, treedef, traced, static):
+    """The compiled step: `(batch number, the arrays of (args, kwargs)) -> (out, values)`."""
+
+    def step(batch, dynamic):
+        it = iter(dynamic)
+        full = [next(it) if t else s for t, s in zip(traced, static)]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        out, inters = capture.pulled(*args, **kwargs)
+        return out, capture.device_values(inters, batch)
+
+    return jax.jit(step)
 
 
 def _subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
@@ -380,20 +442,18 @@ def _subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
     return out
 
 
-def _grow(array, rows: int):
-    """`array`, at least `rows` long (another process may have grown it already)."""
-    if array.resolve().result().domain.exclusive_max[0] >= rows:
-        return array.resolve().result()
-    try:
-        return array.resize(
-            exclusive_max=[rows, *[None] * (array.rank - 1)],
-            expand_only=True,
-            resize_metadata_only=True,
-        ).result()
-    except ValueError as error:  # grown past `rows` meanwhile
-        if "shrink" not in str(error):
-            raise
-        return array.resolve().result()
+def _cut(array, rows: int) -> None:
+    array.resize(
+        exclusive_max=[rows, *[None] * (array.rank - 1)], resize_metadata_only=True
+    ).result()
+
+
+def _barrier(name: str, processes: int) -> None:
+    """Every process waits here for the others (JAX's multi-process runtime)."""
+    if processes > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _shift(index: slice, start: int, length: int) -> slice:

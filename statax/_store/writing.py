@@ -1,11 +1,14 @@
 """Writes in the background, in order, with the bytes in flight bounded.
 
-A step hands a batch's job to `Writer.submit` and returns; one thread runs the jobs in the
-order they came (each job waits for its device arrays, starts its writes and waits for them,
-then commits), so the disk works while the device runs the next step. `submit` waits while
-the bytes of the jobs not yet done would pass the limit. A job that fails stops the ones after
-it (a later batch is never committed past a lost one) and its error is raised at every
-`submit` and `flush` after it.
+A step hands a batch's job to `Writer.submit` and returns. A job has two stages: `start()`
+begins its writes (it waits for the batch's device arrays, hands them to the store, and returns
+without waiting for the disk) and returns `finish(commit)`, which waits for them and, where
+`commit` is true, commits. One
+thread starts the jobs in the order they came, another finishes them in that order, so the
+disk works on several batches at once while the device runs the next step, and a batch is
+committed only after every batch before it. `submit` waits while the bytes of the jobs not yet
+finished would pass the limit. A job that fails stops the ones after it (no batch is committed
+past a lost one), and its error is raised at every `submit` and `flush` after it.
 """
 
 from __future__ import annotations
@@ -22,19 +25,24 @@ class Writer:
         self.limit = int(limit)
         self._in_flight = 0
         self._cv = threading.Condition()
-        self._jobs: queue.Queue = queue.Queue()
+        self._started: queue.Queue = queue.Queue()
+        self._finishing: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="statax-store-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._start, name="statax-store-start", daemon=True),
+            threading.Thread(target=self._finish, name="statax-store-finish", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def in_flight(self) -> int:
-        """The bytes of the jobs submitted and not yet done."""
+        """The bytes of the jobs submitted and not yet finished."""
         return self._in_flight
 
-    def submit(self, nbytes: int, job: Callable[[], None]) -> None:
-        """Run `job` after the jobs before it; wait first while `nbytes` more would pass the
-        limit (a job larger than the limit runs alone)."""
+    def submit(self, nbytes: int, start: Callable[[], Callable[[], None]]) -> None:
+        """Run `start()`, then what it returns, after the jobs before it; wait first while
+        `nbytes` more would pass the limit (a job larger than the limit runs alone)."""
         with self._cv:
             self._cv.wait_for(
                 lambda: (
@@ -45,36 +53,62 @@ class Writer:
             )
             self._raise()
             self._in_flight += nbytes
-        self._jobs.put((nbytes, job))
+        self._started.put((nbytes, start))
 
     def flush(self) -> None:
         """Wait for every job submitted; raise the error of one that failed."""
-        self._jobs.join()
+        self._started.join()
+        self._finishing.join()
         with self._cv:
             self._raise()
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        self._started.put(None)
+        for thread in self._threads:
+            thread.join()
 
     def _raise(self) -> None:
         if self._error is not None:  # for good: no job after a failed one runs
             raise self._error
 
-    def _work(self) -> None:
-        failed = False
-        while (item := self._jobs.get()) is not None:
-            nbytes, job = item
+    def _fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = error
+
+    def _done(self, nbytes: int) -> None:
+        with self._cv:
+            self._in_flight -= nbytes
+            self._cv.notify_all()
+
+    def _start(self) -> None:
+        while (item := self._started.get()) is not None:
+            nbytes, start = item
+            finish = None
+            if self._error is None:
+                try:
+                    finish = start()
+                except BaseException as error:  # kept for the caller's thread
+                    self._fail(error)
+            self._finishing.put((nbytes, finish))
+            self._started.task_done()
+        self._finishing.put(None)
+        self._started.task_done()
+
+    def _finish(self) -> None:
+        while (item := self._finishing.get()) is not None:
+            nbytes, finish = item
             try:
-                if not failed:
-                    job()
-            except BaseException as error:  # kept for the caller's thread
-                failed = True
-                with self._cv:
-                    self._error = error
+                if finish is not None:  # after a failed job, its writes end uncommitted
+                    failed = self._error is not None
+                    try:
+                        finish(not failed)
+                    except BaseException:
+                        if not failed:
+                            raise
+            except BaseException as error:
+                self._fail(error)
             finally:
-                with self._cv:
-                    self._in_flight -= nbytes
-                    self._cv.notify_all()
-                self._jobs.task_done()
-        self._jobs.task_done()
+                self._done(nbytes)
+                self._finishing.task_done()
+        self._finishing.task_done()

@@ -1,0 +1,192 @@
+"""What `stx.record` costs: a GPT-2-shaped model's every block recorded over N batches.
+
+1. Recording every block's output (the residual stream) over N batches, against the forward
+   pass alone (goal <= 1.15 when the disk keeps up), and against the loop written by hand:
+   `pull`, `np.asarray` and `np.save` per value per batch (goal: record >= 2x faster).
+2. The store's write bandwidth against the disk's own sequential write speed, measured here in
+   the same run, both made durable (fsync) as tensorstore's writes are (goal >= 70 %).
+3. Device memory of the compiled step as the number of blocks captured grows, with and without
+   `offload=True` (`compiled.memory_analysis()`; goal: flat with offload). On the CPU backend
+   host memory is the device's: its analysis counts host outputs as device outputs, so the
+   figure is the same both ways there; a GPU shows the difference.
+
+Interleaved runs, medians of REPEATS. Run: `python benchmarks/bench_record.py` (the sizes are
+for CPU; pass `--gpu` for GPT-2 small's width).
+"""
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import statax as stx
+
+GPU = "--gpu" in sys.argv
+LAYERS, WIDTH, HEADS = 12, (768 if GPU else 128), (12 if GPU else 4)
+BATCH, SEQ, BATCHES, REPEATS = (16 if GPU else 8), (256 if GPU else 64), 16, 5
+
+
+def init(key, layers=LAYERS):
+    keys = jax.random.split(key, layers * 4)
+    s = WIDTH**-0.5
+    return [
+        {
+            "qkv": jax.random.normal(keys[4 * i], (WIDTH, 3 * WIDTH)) * s,
+            "proj": jax.random.normal(keys[4 * i + 1], (WIDTH, WIDTH)) * s,
+            "up": jax.random.normal(keys[4 * i + 2], (WIDTH, 4 * WIDTH)) * s,
+            "down": jax.random.normal(keys[4 * i + 3], (4 * WIDTH, WIDTH)) * s * 0.5,
+        }
+        for i in range(layers)
+    ]
+
+
+def norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def block(p, x):
+    b, t, _ = x.shape
+    q, k, v = jnp.split(norm(x) @ p["qkv"], 3, axis=-1)
+    heads = lambda a: a.reshape(b, t, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = heads(q), heads(k), heads(v)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+    attn = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(b, t, WIDTH)
+    x = x + attn @ p["proj"]
+    return x + jax.nn.gelu(norm(x) @ p["up"]) @ p["down"]
+
+
+def model(params, x):
+    for p in params:
+        x = stx.save_inter(block(p, x), name="resid")
+    return jnp.mean(x)
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    return [jnp.asarray(rng.normal(size=(BATCH, SEQ, WIDTH)), jnp.float32) for _ in range(BATCHES)]
+
+
+def median_times(runs: dict, repeats=REPEATS) -> dict:
+    """Each run's median time, the runs taken in turn (rotated each round)."""
+    for run in runs.values():  # compile, warm the page cache's paths
+        run()
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    params, xs = init(jax.random.PRNGKey(0)), batches()
+    root = tempfile.mkdtemp(prefix="bench_record_")
+    nbytes = LAYERS * BATCH * SEQ * WIDTH * 4 * BATCHES
+
+    # Each run is what a user pays for a recording, compilation included: a new function each.
+    def run_forward():
+        forward = jax.jit(lambda params, x: model(params, x))
+        for x in xs:
+            out = forward(params, x)
+        out.block_until_ready()
+
+    def run_record():
+        path = os.path.join(root, "store")
+        shutil.rmtree(path, ignore_errors=True)
+        with stx.record(lambda p, x: model(p, x), to=path, progress=False) as recorder:
+            for x in xs:
+                recorder(params, x)
+
+    def run_by_hand():
+        path = os.path.join(root, "by_hand")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        pulled = stx.pull(jax.jit(lambda params, x: model(params, x)))
+        for i, x in enumerate(xs):
+            out, inters = pulled(params, x)
+            for key, value in inters.items():
+                np.save(os.path.join(path, f"{key}.{i}.npy"), np.asarray(value))
+
+    data = np.asarray(xs[0])
+
+    def run_disk():  # the disk's own sequential write of as many bytes, durable
+        with open(os.path.join(root, "sequential.bin"), "wb") as f:
+            for _ in range(nbytes // data.nbytes):
+                f.write(data.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def identity(v):  # recording with no model to wait for: the store's own speed
+        return stx.save_inter(v, name="v")
+
+    layers_batch = [jnp.stack([x] * LAYERS).reshape(-1, SEQ, WIDTH) for x in xs]
+
+    def run_store_only():
+        path = os.path.join(root, "bandwidth")
+        shutil.rmtree(path, ignore_errors=True)
+        with stx.record(identity, to=path, progress=False) as recorder:
+            for v in layers_batch:
+                recorder(v)
+
+    print(
+        f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {LAYERS} blocks of width "
+        f"{WIDTH}, {BATCHES} batches of {BATCH}x{SEQ} tokens: {nbytes / 1e6:.0f} MB recorded"
+    )
+    t = median_times(
+        {
+            "forward": run_forward,
+            "record": run_record,
+            "by hand": run_by_hand,
+            "disk": run_disk,
+            "store": run_store_only,
+        }
+    )
+    print(
+        f"{'record / forward alone':<44} {t['record'] / t['forward']:6.3f}  (goal <= 1.15)"
+        f"   {t['record'] * 1e3:8.1f} ms vs {t['forward'] * 1e3:8.1f} ms"
+    )
+    print(
+        f"{'by hand / record (how much faster)':<44} {t['by hand'] / t['record']:6.3f}  (goal >= 2)"
+        f"   {t['by hand'] * 1e3:8.1f} ms vs {t['record'] * 1e3:8.1f} ms"
+    )
+    store_bw, disk_bw = nbytes / t["store"] / 1e6, nbytes / t["disk"] / 1e6
+    print(
+        f"{'store bandwidth / disk sequential write':<44} {store_bw / disk_bw:6.3f}  (goal >= 0.70)"
+        f"   {store_bw:8.0f} MB/s vs {disk_bw:8.0f} MB/s"
+    )
+
+    print("device memory of the compiled step (MB) as the blocks captured grow:")
+    x = xs[0]
+    for layers in (1, 2, 4, 8, LAYERS):
+        ps = params[:layers]
+        row = []
+        for offload in (False, True):
+            try:
+                recorder = stx.record(
+                    model, to=os.path.join(root, "m"), offload=offload, progress=False
+                )
+            except ValueError as error:
+                row.append(f"offload: {str(error)[:60]}...")
+                continue
+            stats = recorder.lower(ps, x).compile().memory_analysis()
+            device = stats.temp_size_in_bytes + stats.output_size_in_bytes
+            host = getattr(stats, "host_output_size_in_bytes", 0)
+            row.append(
+                f"{'offload' if offload else 'plain':>7}: device {device / 1e6:7.1f} host {host / 1e6:7.1f}"
+            )
+            recorder.close()
+        print(f"  {layers:3d} blocks   " + "   ".join(row))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
