@@ -10,7 +10,6 @@ writes them into their regions of the store while the device runs the next step.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -23,14 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.errors import StoreError
-from .._drivers.naming import Key
 from .._drivers.pull import pull
-from . import layout
+from . import capture, layout
 from .writing import Writer
 
 __all__ = ["Recorder", "record"]
 
-POSITIONS = "_positions"  # the key of the positions a subsample kept
 _CHUNK_BYTES = 64 << 20  # a chunk holds at most this much (fewer rows of a shard)
 
 
@@ -95,7 +92,7 @@ def record(
                 "least one position, on an axis after the examples' (axis 0)."
             )
     if offload:
-        _check_host_memory()
+        capture.check_host_memory()
     pulled = pull(fn, only=only, at=at, summarize=summarize)
     return Recorder(
         pulled,
@@ -122,7 +119,7 @@ class Recorder:
     ):
         self.path = path
         axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
-        self._capture = _Capture(pulled, axis, subsample, offload)
+        self._capture = capture.Capture(pulled, axis, subsample, offload)
         self._selection = selection
         self._per_batch = pulled.summarize is not None
         self._process, self._processes = jax.process_index(), jax.process_count()
@@ -156,7 +153,7 @@ class Recorder:
             key = (treedef, traced, tuple(map(id, static)))
         jitted = self._jitted.get(key)
         if jitted is None:
-            jitted = self._jitted[key] = _step(self._capture, treedef, traced, static)
+            jitted = self._jitted[key] = capture.step(self._capture, treedef, traced, static)
         return jitted, dynamic
 
     def lower(self, *args, **kwargs):
@@ -361,87 +358,6 @@ class Recorder:
         self.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Capture:
-    """What a step does after `pull`."""
-
-    pulled: Any
-    axis: int | tuple  # an int, or `(key, axis)` pairs
-    subsample: tuple | None
-    offload: bool
-
-    def device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
-        """What is stored, on device: each value's leaves by key, examples first (a row per
-        batch under `summarize=`), subsampled, on host memory if offloaded."""
-        per_batch = self.pulled.summarize is not None
-        axes = dict(self.axis) if isinstance(self.axis, tuple) else {}
-        values = {}
-        for key, value in inters.items():
-            for path, leaf in jax.tree_util.tree_leaves_with_path(value):
-                name = key if not path else f"{key}{jax.tree_util.keystr(path)}"
-                leaf = jnp.asarray(leaf)
-                if per_batch:
-                    leaf = leaf[None]
-                else:
-                    a = axes.get(str(key), 0) if isinstance(self.axis, tuple) else self.axis
-                    if leaf.ndim <= a:
-                        raise StoreError(
-                            f"stx.record: {name!r} (saved at {_location(key)}) has shape "
-                            f"{leaf.shape}, with no axis {a} to count examples along. Pass "
-                            f"axis={{{str(key)!r}: ...}}, or leave it out with only=."
-                        )
-                    leaf = jnp.moveaxis(leaf, a, 0)
-                values[Key(name, _location(key), getattr(key, "reduce", None))] = leaf
-        if self.subsample is not None:
-            values = _subsample(values, *self.subsample, batch)
-        if self.offload:
-            values = {k: jax.device_put(v, jax.memory.Space.Host) for k, v in values.items()}
-        return values
-
-
-def _step(capture: _Capture, treedef, traced, static):
-    """The compiled step: `(batch number, the arrays of (args, kwargs)) -> (out, values)`."""
-
-    def step(batch, dynamic):
-        it = iter(dynamic)
-        full = [next(it) if t else s for t, s in zip(traced, static)]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out, inters = capture.pulled(*args, **kwargs)
-        return out, capture.device_values(inters, batch)
-
-    return jax.jit(step)
-
-
-def _subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
-    """Keep `k` random positions (sorted) per example along `axis` of every value that has it;
-    the same positions in each, drawn from `seed` and the batch's number."""
-    having = {key: v.shape[axis] for key, v in values.items() if v.ndim > axis}
-    if len(set(having.values())) != 1:
-        shown = ", ".join(f"{k!r}: {n}" for k, n in having.items()) or "none has one"
-        raise StoreError(
-            f"stx.record(positions={k}, position_axis={axis}): the values must have one length "
-            f"along axis {axis} to subsample it ({shown}). Leave the others out with only=."
-        )
-    length = next(iter(having.values()))
-    if k > length:
-        raise StoreError(
-            f"stx.record(positions={k}): the values have {length} positions along axis {axis}; "
-            f"keep at most {length}."
-        )
-    examples = next(iter(values.values())).shape[0]
-    key = jax.random.fold_in(jax.random.key(seed), batch)
-    kept = jnp.sort(jnp.argsort(jax.random.uniform(key, (examples, length)), axis=1)[:, :k], 1)
-    out = {}
-    for name, v in values.items():
-        if name in having:
-            shape = [examples] + [1] * (v.ndim - 1)
-            shape[axis] = k
-            v = jnp.take_along_axis(v, kept.reshape(shape), axis=axis)
-        out[name] = v
-    out[Key(POSITIONS, "stx.record(positions=...)")] = kept.astype(jnp.int32)
-    return out
-
-
 def _cut(array, rows: int) -> None:
     array.resize(
         exclusive_max=[rows, *[None] * (array.rank - 1)], resize_metadata_only=True
@@ -481,7 +397,7 @@ def _metadata(keys, processes, subsample, selection) -> dict:
         "selection": selection,
         "subsample": None
         if subsample is None
-        else dict(zip(("positions", "axis", "seed"), subsample)) | {"key": POSITIONS},
+        else dict(zip(("positions", "axis", "seed"), subsample)) | {"key": capture.POSITIONS},
         "processes": processes,
         "versions": {
             "statax": _version("statax"),
@@ -500,33 +416,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _location(key) -> str:
-    return getattr(key, "location", "")
-
-
 def _qualname(f) -> str:
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
-
-
-@functools.cache
-def _check_host_memory_on(platform: str) -> str | None:
-    probe = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
-    try:
-        kind = probe(jnp.zeros(1)).sharding.memory_kind
-    except Exception as error:  # XLA has no host placement here
-        return str(error).splitlines()[0]
-    return None if kind == "pinned_host" else f"its outputs stay in {kind!r} memory"
-
-
-def _check_host_memory() -> None:
-    platform = jax.devices()[0].platform
-    why = _check_host_memory_on(platform)
-    if why is not None:
-        raise ValueError(
-            f"stx.record(offload=True): this backend ({platform}, JAX {jax.__version__}) cannot "
-            f"place values in host memory inside a compiled program ({why}). Record without "
-            "offload=True: values then leave the device as they are written."
-        )
 
 
 def _progress_bar(progress, path, initial):

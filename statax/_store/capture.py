@@ -1,0 +1,124 @@
+"""What a recording step computes on the device: `pull`'s values, each with its examples first
+(or a row per batch), a subsample of positions, and the move to host memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._core.errors import StoreError
+from .._drivers.naming import Key
+
+__all__ = ["POSITIONS", "Capture", "check_host_memory", "step", "subsample"]
+
+POSITIONS = "_positions"  # the key of the positions a subsample kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """What a step does after `pull`."""
+
+    pulled: Any
+    axis: int | tuple  # an int, or `(key, axis)` pairs
+    subsample: tuple | None
+    offload: bool
+
+    def device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
+        """What is stored, on device: each value's leaves by key, examples first (a row per
+        batch under `summarize=`), subsampled, on host memory if offloaded."""
+        per_batch = self.pulled.summarize is not None
+        axes = dict(self.axis) if isinstance(self.axis, tuple) else {}
+        values = {}
+        for key, value in inters.items():
+            for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+                name = key if not path else f"{key}{jax.tree_util.keystr(path)}"
+                leaf = jnp.asarray(leaf)
+                if per_batch:
+                    leaf = leaf[None]
+                else:
+                    a = axes.get(str(key), 0) if isinstance(self.axis, tuple) else self.axis
+                    if leaf.ndim <= a:
+                        raise StoreError(
+                            f"stx.record: {name!r} (saved at {_location(key)}) has shape "
+                            f"{leaf.shape}, with no axis {a} to count examples along. Pass "
+                            f"axis={{{str(key)!r}: ...}}, or leave it out with only=."
+                        )
+                    leaf = jnp.moveaxis(leaf, a, 0)
+                values[Key(name, _location(key), getattr(key, "reduce", None))] = leaf
+        if self.subsample is not None:
+            values = subsample(values, *self.subsample, batch)
+        if self.offload:
+            values = {k: jax.device_put(v, jax.memory.Space.Host) for k, v in values.items()}
+        return values
+
+
+def step(capture: Capture, treedef, traced, static):
+    """The compiled step: `(batch number, the arrays of (args, kwargs)) -> (out, values)`."""
+
+    def step(batch, dynamic):
+        it = iter(dynamic)
+        full = [next(it) if t else s for t, s in zip(traced, static)]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        out, inters = capture.pulled(*args, **kwargs)
+        return out, capture.device_values(inters, batch)
+
+    return jax.jit(step)
+
+
+def subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
+    """Keep `k` random positions (sorted) per example along `axis` of every value that has it;
+    the same positions in each, drawn from `seed` and the batch's number."""
+    having = {key: v.shape[axis] for key, v in values.items() if v.ndim > axis}
+    if len(set(having.values())) != 1:
+        shown = ", ".join(f"{k!r}: {n}" for k, n in having.items()) or "none has one"
+        raise StoreError(
+            f"stx.record(positions={k}, position_axis={axis}): the values must have one length "
+            f"along axis {axis} to subsample it ({shown}). Leave the others out with only=."
+        )
+    length = next(iter(having.values()))
+    if k > length:
+        raise StoreError(
+            f"stx.record(positions={k}): the values have {length} positions along axis {axis}; "
+            f"keep at most {length}."
+        )
+    examples = next(iter(values.values())).shape[0]
+    key = jax.random.fold_in(jax.random.key(seed), batch)
+    kept = jnp.sort(jnp.argsort(jax.random.uniform(key, (examples, length)), axis=1)[:, :k], 1)
+    out = {}
+    for name, v in values.items():
+        if name in having:
+            shape = [examples] + [1] * (v.ndim - 1)
+            shape[axis] = k
+            v = jnp.take_along_axis(v, kept.reshape(shape), axis=axis)
+        out[name] = v
+    out[Key(POSITIONS, "stx.record(positions=...)")] = kept.astype(jnp.int32)
+    return out
+
+
+def _location(key) -> str:
+    return getattr(key, "location", "")
+
+
+@functools.cache
+def _host_memory_on(platform: str) -> str | None:
+    probe = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
+    try:
+        kind = probe(jnp.zeros(1)).sharding.memory_kind
+    except Exception as error:  # XLA has no host placement here
+        return str(error).splitlines()[0]
+    return None if kind == "pinned_host" else f"its outputs stay in {kind!r} memory"
+
+
+def check_host_memory() -> None:
+    platform = jax.devices()[0].platform
+    why = _host_memory_on(platform)
+    if why is not None:
+        raise ValueError(
+            f"stx.record(offload=True): this backend ({platform}, JAX {jax.__version__}) cannot "
+            f"place values in host memory inside a compiled program ({why}). Record without "
+            "offload=True: values then leave the device as they are written."
+        )
