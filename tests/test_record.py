@@ -224,8 +224,8 @@ def test_sharded_over_a_2d_mesh_of_8_devices_each_shard_is_written_and_nothing_g
     assert "NO-ALL-GATHER" in result.stdout
     store = stx.open_store(tmp_path / "s")
     assert_store_equals(store, worker_truth(3))
-    # A chunk per shard: 16 examples over 4 devices, 8 features over 2.
-    assert store["h_0"]._array.chunk_layout.write_chunk.shape == (4, 4)
+    # One process holds every row: a chunk is many batches' rows (64 here) of one column shard.
+    assert store["h_0"]._array.chunk_layout.write_chunk.shape == (16 * 64, 4)
 
 
 def flatten(inters):
@@ -264,22 +264,27 @@ def test_two_processes_under_jax_distributed_write_one_store(tmp_path):
     store = stx.open_store(tmp_path / "s")
     assert store.metadata["processes"] == 2
     assert sorted(os.listdir(tmp_path / "s" / "_statax")) == ["commit.0", "commit.1"]
+    # A chunk per shard (16 examples over 4 devices, 8 features over 2): each process its own.
+    assert store["h_0"]._array.chunk_layout.write_chunk.shape == (4, 4)
     assert_store_equals(store, (worker_truth(3)))
 
 
 # ---- safe and resumable -------------------------------------------------------------------------
 
 
-def test_killed_mid_write_the_store_opens_with_its_committed_batches_and_resumes(tmp_path):
-    killed = run_worker("kill", tmp_path / "s", 5, check=False)
-    assert killed.returncode == -9, (
-        killed.stdout + killed.stderr
-    )  # SIGKILL, before batch 2's commit
+@pytest.mark.parametrize("chunk_batches", [1, 2])
+def test_killed_mid_write_the_store_opens_with_its_committed_batches_and_resumes(
+    tmp_path, chunk_batches
+):
+    # SIGKILL once batch 3 is written, before its commit (two batches a chunk: 2's and 3's)
+    killed = run_worker(f"kill-{chunk_batches}", tmp_path / "s", 6, check=False)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
     store = stx.open_store(tmp_path / "s")
-    assert store.batches_committed == 2 and store["h_0"].shape == (32, 8)
-    assert_store_equals(store, (worker_truth(2)))
-    run_worker("sharded", tmp_path / "s", 3)  # appends after batch 1: batches 2, 3 and 4
-    assert_store_equals(stx.open_store(tmp_path / "s"), (worker_truth(5)))
+    committed = 3 if chunk_batches == 1 else 2
+    assert store.batches_committed == committed and store["h_0"].shape == (16 * committed, 8)
+    assert_store_equals(store, worker_truth(committed))
+    run_worker("sharded", tmp_path / "s", 3)  # appends 3 batches after the last committed
+    assert_store_equals(stx.open_store(tmp_path / "s"), worker_truth(committed + 3))
 
 
 def test_killed_at_any_moment_what_is_committed_is_intact(tmp_path):

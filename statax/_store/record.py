@@ -9,7 +9,9 @@ writes them into their regions of the store while the device runs the next step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -29,6 +31,7 @@ from .writing import Writer
 __all__ = ["Recorder", "record"]
 
 _CHUNK_BYTES = 64 << 20  # a chunk holds at most this much (fewer rows of a shard)
+_GROUP_BYTES = 16 << 20  # one process's consecutive batches are one chunk up to this much
 
 
 def record(
@@ -44,6 +47,7 @@ def record(
     seed: int = 0,
     offload: bool = False,
     max_in_flight: int = 1 << 30,
+    chunk_batches: int | None = None,
     progress: bool | None = None,
 ) -> Recorder:
     """Record what `stx.pull(fn)` returns, call after call, into a store at `to`.
@@ -75,6 +79,10 @@ def record(
             no host memory space.
         max_in_flight: the bytes of batches not yet written that may wait in host memory; at
             the limit, the next call waits for the disk.
+        chunk_batches: how many consecutive batches one chunk's rows hold, written and
+            committed together (a killed run loses at most these): by default, as many as make
+            16 MiB of the largest value, up to 64 (with several processes, one: each process
+            writes its own shards' chunks).
         progress: show a progress bar (tqdm): None shows one where tqdm is installed and the
             output is a terminal.
     """
@@ -101,6 +109,7 @@ def record(
         subsample=None if positions is None else (int(positions), int(position_axis), int(seed)),
         offload=bool(offload),
         max_in_flight=max_in_flight,
+        chunk_batches=chunk_batches,
         progress=progress,
         selection={
             "only": None if only is None else repr(only),
@@ -115,7 +124,17 @@ class Recorder:
     `close()` (or leaving a `with` block) flushes and stops the writer."""
 
     def __init__(
-        self, pulled, path, *, axis, subsample, offload, max_in_flight, progress, selection
+        self,
+        pulled,
+        path,
+        *,
+        axis,
+        subsample,
+        offload,
+        max_in_flight,
+        chunk_batches,
+        progress,
+        selection,
     ):
         self.path = path
         axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
@@ -136,6 +155,10 @@ class Recorder:
         self._arrays: dict[str, Any] | None = None  # key -> tensorstore array, from the first call
         self._capacity: dict[str, int] = {}  # key -> rows its array holds (some uncommitted)
         self._jitted: dict = {}
+        self._chunk_batches = chunk_batches
+        self._group = 1  # batches per group (one chunk's rows), set on the first call
+        self._pending = 0  # batches of the group not yet closed
+        self._open_group: _Group | None = None  # the writer's
         self._writer = Writer(max_in_flight)
         self._bar = _progress_bar(progress, path, self._batches)
         self._closed = False
@@ -183,7 +206,10 @@ class Recorder:
                     nbytes += shard.data.nbytes
         batch, offset = self._batches, self._rows
         self._batches, self._rows = batch + 1, offset + rows
-        self._writer.submit(nbytes, functools.partial(self._write, batch, offset, rows, pieces))
+        self._pending = (self._pending + 1) % self._group
+        closes = self._pending == 0
+        job = functools.partial(self._write, batch, offset, rows, pieces, closes)
+        self._writer.submit(nbytes, job)
         return out
 
     def _rows_of(self, values) -> int:
@@ -199,29 +225,54 @@ class Recorder:
             )
         return next(iter(sizes.values()), 0)
 
-    def _write(self, batch, offset, rows, pieces):
-        """The writer's job for one batch: start every piece's write into its region; what it
-        returns waits for them, then commits."""
+    def _write(self, batch, offset, rows, pieces, closes):
+        """The writer's job for one batch: its pieces written into their regions, in the
+        transaction of its group of batches (one chunk's rows); where it closes the group, the
+        transaction committed. What it returns waits for the group's commit; the last batch's
+        then writes the commit record."""
+        group = self._open_group
+        if group is None:
+            group = self._open_group = _Group(layout.tensorstore().Transaction())
         start = batch if self._per_batch else offset
         end = start + (1 if self._per_batch else rows)
-        with self._failing(batch):
-            for key in {key for key, *_ in pieces}:
-                self._grow(key, end)
-            futures = []
-            for key, index, length, data in pieces:
-                region = (_shift(index[0], start, length), *index[1:])
-                futures.append(self._arrays[key][region].write(np.asarray(data)))
-
-        def finish(commit: bool):
+        group.last = (batch + 1, offset + rows)
+        try:
             with self._failing(batch):
-                for future in futures:
+                for key in {key for key, *_ in pieces}:
+                    self._grow(key, end)
+                staged = []
+                for key, index, length, data in pieces:
+                    region = (_shift(index[0], start, length), *index[1:])
+                    array = self._arrays[key].with_transaction(group.transaction)
+                    staged.append(array[region].write(np.asarray(data)))
+                for future in staged:  # copied into the transaction
                     future.result()
-                if commit:
-                    layout.write_commit(self.path, self._process, batch + 1, offset + rows)
-            if self._bar is not None:
-                self._bar.update(1)
+            if closes:
+                self._seal()
+        except BaseException as error:
+            if not group.committing.done():
+                group.committing.set_exception(error)
+            raise
+        return functools.partial(self._committed, group, batch, closes)
 
-        return finish
+    def _seal(self):
+        """Commit the open group's transaction (its writes begin); a writer's job of its own
+        where `flush` closes a group early."""
+        group, self._open_group = self._open_group, None
+        if group is not None:
+            group.committing.set_result(group.transaction.commit_async())
+            return functools.partial(self._committed, group, group.last[0] - 1, True)
+        return lambda commit: None
+
+    def _committed(self, group, batch, closes, commit: bool) -> None:
+        if not commit:  # a job before failed: this one ends uncommitted
+            return
+        with self._failing(batch):
+            group.committing.result().result()
+            if closes:
+                layout.write_commit(self.path, self._process, *group.last)
+        if self._bar is not None:
+            self._bar.update(1)
 
     @contextlib.contextmanager
     def _failing(self, batch: int):
@@ -278,9 +329,11 @@ class Recorder:
                 for key in described:  # a partial batch after the last committed one goes
                     end = self._batches if self._per_batch else self._rows
                     _cut(layout.open_array(self.path, key), end)
-        elif self._process == 0:
+        self._group = self._group_size(values)
+        if self.metadata is None and self._process == 0:
             for key, v in values.items():
-                layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), _chunk(v))
+                chunk = _chunk(v, self._group if self._processes == 1 else 1)
+                layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), chunk)
             self.metadata = _metadata(
                 described, self._processes, self._capture.subsample, self._selection
             )
@@ -289,6 +342,18 @@ class Recorder:
             _barrier(f"statax.record.open:{self.path}", self._processes)
             self.metadata = layout.read_metadata(self.path)
         self._arrays = {str(k): layout.open_array(self.path, str(k)) for k in values}
+
+    def _group_size(self, values) -> int:
+        """How many batches one chunk's rows hold: with one process, which holds every row,
+        as many as make `_GROUP_BYTES` of the largest value (and half the bytes in flight);
+        with several, one (each process writes its own shards' chunks)."""
+        if self._chunk_batches is not None:
+            return max(1, int(self._chunk_batches))
+        if self._processes > 1:
+            return 1
+        largest = max((v.nbytes for v in values.values()), default=1) or 1
+        total = sum(v.nbytes for v in values.values()) or 1
+        return int(max(1, min(64, _GROUP_BYTES // largest, self._writer.limit // 2 // total)))
 
     def _check(self, values, described=None) -> None:
         described = described or {
@@ -328,6 +393,9 @@ class Recorder:
 
     def flush(self) -> None:
         """Wait until every batch recorded so far is written and committed."""
+        if self._pending:  # the group is not full: commit what it has
+            self._pending = 0
+            self._writer.submit(0, self._seal)
         self._writer.flush()
 
     def close(self) -> None:
@@ -335,7 +403,7 @@ class Recorder:
             return
         self._closed = True
         try:
-            self._writer.flush()
+            self.flush()
             self._trim()
         finally:
             self._writer.close()
@@ -378,15 +446,28 @@ def _shift(index: slice, start: int, length: int) -> slice:
     return slice(start + lo, start + hi)
 
 
-def _chunk(value: jax.Array) -> tuple:
-    """One shard's region per chunk (so processes write disjoint chunks), fewer rows where
-    that passes `_CHUNK_BYTES`."""
+def _chunk(value: jax.Array, group: int) -> tuple:
+    """A chunk: one shard's columns, and its rows of one batch (several processes: each
+    writes its own chunks), or `group` batches' rows (one process, which holds them all);
+    fewer rows where that passes `_CHUNK_BYTES`."""
     shard = value.sharding.shard_shape(value.shape)
     row = int(np.prod(shard[1:], dtype=np.int64)) * value.dtype.itemsize
-    rows = max(1, shard[0])
+    rows = max(1, shard[0] if group == 1 else value.shape[0] * group)
     while rows > 1 and rows * row > _CHUNK_BYTES:
         rows = next(d for d in range(rows // 2, 0, -1) if shard[0] % d == 0)
     return (rows, *[max(1, n) for n in shard[1:]])
+
+
+@dataclasses.dataclass
+class _Group:
+    """Consecutive batches written in one transaction: `committing` holds its commit's future
+    once the group closes."""
+
+    transaction: Any
+    committing: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future
+    )
+    last: tuple = (0, 0)  # the commit record once it is committed: (batches, rows)
 
 
 def _metadata(keys, processes, subsample, selection) -> dict:

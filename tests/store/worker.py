@@ -47,14 +47,16 @@ def main(mode: str, store: str, batches: int, *distributed: str) -> None:
     rows, cols = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P(None, "model"))
     put = lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i])  # noqa: E731
     w = put(WEIGHTS, cols)
-    recorder = stx.record(model, to=store, progress=False)
-    if mode == "kill":  # SIGKILL once batch 2's arrays are written, before its commit
+    # Killed: "kill-1", a commit per batch; "kill-2", per two batches.
+    chunk_batches = int(mode[5:]) if mode.startswith("kill") else None
+    recorder = stx.record(model, to=store, progress=False, chunk_batches=chunk_batches)
+    if mode.startswith("kill"):  # SIGKILL once batch 3's arrays are written, before its commit
         from statax._store import layout
 
         commit = layout.write_commit
 
         def write_commit(path, process, committed, rows):
-            if committed == 3:
+            if committed == 4:
                 os.kill(os.getpid(), 9)
             commit(path, process, committed, rows)
 
