@@ -154,6 +154,7 @@ class Recorder:
         )
         self._arrays: dict[str, Any] | None = None  # key -> tensorstore array, from the first call
         self._capacity: dict[str, int] = {}  # key -> rows its array holds (some uncommitted)
+        self._step_rows = 1
         self._jitted: dict = {}
         self._chunk_batches = chunk_batches
         self._group = 1  # batches per group (one chunk's rows), set on the first call
@@ -244,8 +245,12 @@ class Recorder:
                 for key, index, length, data in pieces:
                     region = (_shift(index[0], start, length), *index[1:])
                     array = self._arrays[key].with_transaction(group.transaction)
-                    staged.append(array[region].write(np.asarray(data)))
-                for future in staged:  # copied into the transaction
+                    # (a jax array is immutable: its buffer is read in place, not copied)
+                    source = np.asarray(data)
+                    staged.append(
+                        array[region].write(source, can_reference_source_data_indefinitely=True)
+                    )
+                for future in staged:  # staged in the transaction
                     future.result()
             if closes:
                 self._seal()
@@ -295,7 +300,7 @@ class Recorder:
         try:
             array = array.resize(
                 exclusive_max=[
-                    max(rows, 2 * self._capacity.get(key, 0)),
+                    max(rows, 2 * self._capacity.get(key, 0), self._step_rows),
                     *[None] * (array.rank - 1),
                 ],
                 expand_only=True,
@@ -330,6 +335,9 @@ class Recorder:
                     end = self._batches if self._per_batch else self._rows
                     _cut(layout.open_array(self.path, key), end)
         self._group = self._group_size(values)
+        # Arrays grow by at least four groups' rows at a time (a resize rewrites metadata).
+        batch_rows = 1 if self._per_batch else next(iter(values.values())).shape[0]
+        self._step_rows = 4 * self._group * batch_rows
         if self.metadata is None and self._process == 0:
             for key, v in values.items():
                 chunk = _chunk(v, self._group if self._processes == 1 else 1)
