@@ -157,6 +157,25 @@ def test_only_at_and_summarize_as_in_pull(tmp_path):
     np.testing.assert_allclose(store["h_0['mean']"][:], means, rtol=1e-5)
 
 
+def test_a_flax_nnx_model_and_its_submodules(tmp_path):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    net = Net(nnx.Rngs(0))
+    with stx.record(net, to=tmp_path / "s", at=stx.modules("a", "b"), progress=False) as r:
+        outs = [r(batch(i)) for i in range(2)]
+    store = stx.open_store(tmp_path / "s")
+    xs = np.concatenate([batch(i) for i in range(2)])
+    np.testing.assert_allclose(store["a_0"][:], net.a(xs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(store["b_0"][:], np.concatenate(outs), rtol=1e-5, atol=1e-6)
+
+
 # ---- less before it leaves: a subsample of positions ------------------------------------------
 
 

@@ -291,6 +291,14 @@ def test_nnx_modules(jit):
         stx.grad_inters(loss, argnums=0)(model, X)
 
 
+def test_a_jax_jit_of_pull_of_an_nnx_model_that_closes_over_it():
+    """`jax.jit(stx.pull(model))`: the call changes no state, so nothing is written back into
+    the model from inside the trace (which NNX refuses)."""
+    model, marked = nnx_models()
+    got = jax.jit(stx.pull(model, at=stx.modules("blocks[*]")))(X)
+    assert_tree_allclose(got, stx.pull(marked)(X), rtol=1e-6)
+
+
 @pytest.mark.parametrize("order", ["nnx_vmap", "nnx_grad", "nnx_scan"])
 def test_nnx_modules_inside_nnx_transforms(order):
     model, marked = nnx_models()

@@ -102,5 +102,11 @@ def _slots(tree) -> list[Slot]:
 
 
 def update(nodes: tuple, state) -> None:
-    """Update the caller's graph nodes with the state the call left."""
-    sys.modules["flax.nnx"].update(nodes, state)
+    """Update the caller's graph nodes with the state the call left, where it changed any: a
+    call that changed nothing leaves them as they are, also under a `jax.jit` that closes over
+    them (where NNX refuses any update from inside the trace)."""
+    nnx = sys.modules["flax.nnx"]
+    old = jax.tree_util.tree_leaves(nnx.state(nodes))
+    new = jax.tree_util.tree_leaves(state)
+    if len(old) != len(new) or any(a is not b for a, b in zip(old, new)):
+        nnx.update(nodes, state)
