@@ -499,6 +499,17 @@ def test_a_call_returns_before_its_batch_is_written(tmp_path, monkeypatch):
     assert stx.open_store(tmp_path / "s").batches_committed == 2
 
 
+def test_progress_shows_the_batches_written(tmp_path, capsys):
+    with stx.record(model, to=tmp_path / "s", progress=True) as r:
+        for i in range(3):
+            r(batch(i), W)
+    shown = capsys.readouterr().err
+    assert f"recording to {tmp_path / 's'}" in shown and "3batch" in shown.replace(" ", "")
+    with stx.record(model, to=tmp_path / "s", progress=False) as r:
+        r(batch(3), W)
+    assert capsys.readouterr().err == ""
+
+
 # ---- off the device early -----------------------------------------------------------------------
 
 

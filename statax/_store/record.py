@@ -258,7 +258,7 @@ class Recorder:
             if not group.committing.done():
                 group.committing.set_exception(error)
             raise
-        return functools.partial(self._committed, group, batch, closes)
+        return functools.partial(self._committed, group, batch, closes, True)
 
     def _seal(self):
         """Commit the open group's transaction (its writes begin); a writer's job of its own
@@ -266,17 +266,19 @@ class Recorder:
         group, self._open_group = self._open_group, None
         if group is not None:
             group.committing.set_result(group.transaction.commit_async())
-            return functools.partial(self._committed, group, group.last[0] - 1, True)
+            return functools.partial(self._committed, group, group.last[0] - 1, True, False)
         return lambda commit: None
 
-    def _committed(self, group, batch, closes, commit: bool) -> None:
+    def _committed(self, group, batch, closes, counted, commit: bool) -> None:
+        """Wait for the group's commit (`closes`: then write the commit record; `counted`: a
+        batch's job, which the progress bar counts, not `flush`'s)."""
         if not commit:  # a job before failed: this one ends uncommitted
             return
         with self._failing(batch):
             group.committing.result().result()
             if closes:
                 layout.write_commit(self.path, self._process, *group.last)
-        if self._bar is not None:
+        if self._bar is not None and counted:
             self._bar.update(1)
 
     @contextlib.contextmanager
