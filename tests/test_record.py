@@ -468,6 +468,19 @@ def test_the_writer_runs_in_order_in_the_background_and_bounds_the_bytes_in_flig
     writer.close()
 
 
+def test_a_job_before_a_failed_one_still_commits():
+    release, done = threading.Event(), []
+    writer = Writer(limit=100)
+    writer.submit(1, job(done, 1, wait=release))  # finishing, slowly
+    writer.submit(1, job(done, 2, fail="start"))  # fails while 1 finishes
+    time.sleep(0.2)
+    release.set()
+    with pytest.raises(OSError, match="disk full at 2"):
+        writer.flush()
+    assert ("finish", 1) in done  # committed: it came before the failure
+    writer.close()
+
+
 @pytest.mark.parametrize("stage", ["start", "finish"])
 def test_after_a_failed_job_no_job_finishes_and_every_call_raises(stage):
     done = []

@@ -172,7 +172,8 @@ class Recorder:
         static = tuple(None if t else leaf for t, leaf in zip(traced, leaves))
         dynamic = [leaf for t, leaf in zip(traced, leaves) if t]
         try:
-            key = hash(static) and (treedef, traced, static)
+            hash(static)
+            key = (treedef, traced, static)
         except TypeError:  # a static leaf that does not hash: by identity (the step keeps it)
             key = (treedef, traced, tuple(map(id, static)))
         jitted = self._jitted.get(key)
@@ -233,12 +234,12 @@ class Recorder:
         then writes the commit record."""
         group = self._open_group
         if group is None:
-            group = self._open_group = _Group(layout.tensorstore().Transaction())
+            group = self._open_group = _Group(layout.tensorstore().Transaction(), batch)
         start = batch if self._per_batch else offset
         end = start + (1 if self._per_batch else rows)
         group.last = (batch + 1, offset + rows)
         try:
-            with self._failing(batch):
+            with self._failing(batch, group.first):
                 for key in {key for key, *_ in pieces}:
                     self._grow(key, end)
                 staged = []
@@ -274,7 +275,7 @@ class Recorder:
         batch's job, which the progress bar counts, not `flush`'s)."""
         if not commit:  # a job before failed: this one ends uncommitted
             return
-        with self._failing(batch):
+        with self._failing(batch, group.first):
             group.committing.result().result()
             if closes:
                 layout.write_commit(self.path, self._process, *group.last)
@@ -282,14 +283,15 @@ class Recorder:
             self._bar.update(1)
 
     @contextlib.contextmanager
-    def _failing(self, batch: int):
+    def _failing(self, batch: int, committed: int):
+        """A failure writing `batch`, whose group begins after the `committed` batches."""
         try:
             yield
         except Exception as error:
             raise StoreError(
                 f"stx.record to {self.path!r}: writing batch {batch} failed: {error}. The "
-                f"store keeps the {batch} batches committed before it; record again to append "
-                "after them."
+                f"store keeps the {committed} batches committed before it; record again to "
+                "append after them."
             ) from error
 
     def _grow(self, key: str, rows: int) -> None:
@@ -474,6 +476,7 @@ class _Group:
     once the group closes."""
 
     transaction: Any
+    first: int  # its first batch's number
     committing: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future
     )

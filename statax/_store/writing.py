@@ -8,7 +8,8 @@ thread starts the jobs in the order they came, another finishes them in that ord
 disk works on several batches at once while the device runs the next step, and a batch is
 committed only after every batch before it. `submit` waits while the bytes of the jobs not yet
 finished would pass the limit. A job that fails stops the ones after it (no batch is committed
-past a lost one), and its error is raised at every `submit` and `flush` after it.
+past a lost one; the jobs before it still commit), and its error is raised at every `submit`
+and `flush` after it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Writer:
         self._started: queue.Queue = queue.Queue()
         self._finishing: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._failed_at: int | None = None  # the number of the first job that failed
+        self._submitted = 0
         self._threads = [
             threading.Thread(target=self._start, name="statax-store-start", daemon=True),
             threading.Thread(target=self._finish, name="statax-store-finish", daemon=True),
@@ -53,7 +56,8 @@ class Writer:
             )
             self._raise()
             self._in_flight += nbytes
-        self._started.put((nbytes, start))
+            number, self._submitted = self._submitted, self._submitted + 1
+        self._started.put((number, nbytes, start))
 
     def flush(self) -> None:
         """Wait for every job submitted; raise the error of one that failed."""
@@ -71,10 +75,10 @@ class Writer:
         if self._error is not None:  # for good: no job after a failed one runs
             raise self._error
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, number: int, error: BaseException) -> None:
         with self._cv:
-            if self._error is None:
-                self._error = error
+            if self._failed_at is None or number < self._failed_at:
+                self._error, self._failed_at = error, number
 
     def _done(self, nbytes: int) -> None:
         with self._cv:
@@ -83,31 +87,31 @@ class Writer:
 
     def _start(self) -> None:
         while (item := self._started.get()) is not None:
-            nbytes, start = item
+            number, nbytes, start = item
             finish = None
             if self._error is None:
                 try:
                     finish = start()
                 except BaseException as error:  # kept for the caller's thread
-                    self._fail(error)
-            self._finishing.put((nbytes, finish))
+                    self._fail(number, error)
+            self._finishing.put((number, nbytes, finish))
             self._started.task_done()
         self._finishing.put(None)
         self._started.task_done()
 
     def _finish(self) -> None:
         while (item := self._finishing.get()) is not None:
-            nbytes, finish = item
+            number, nbytes, finish = item
             try:
                 if finish is not None:  # after a failed job, its writes end uncommitted
-                    failed = self._error is not None
+                    failed = self._failed_at is not None and self._failed_at <= number
                     try:
                         finish(not failed)
                     except BaseException:
                         if not failed:
                             raise
             except BaseException as error:
-                self._fail(error)
+                self._fail(number, error)
             finally:
                 self._done(nbytes)
                 self._finishing.task_done()
