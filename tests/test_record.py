@@ -52,9 +52,13 @@ def assert_store_equals(store, expected):
 # ---- what the store holds ---------------------------------------------------------------------
 
 
-def test_the_store_holds_what_pull_returns_and_fn_s_output_comes_back(tmp_path):
+@pytest.mark.parametrize("max_in_flight", [1 << 30, 1], ids=["default", "one_batch_at_a_time"])
+def test_the_store_holds_what_pull_returns_and_fn_s_output_comes_back(tmp_path, max_in_flight):
     batches = [(batch(i), W) for i in range(3)]
-    with stx.record(model, to=tmp_path / "acts.zarr", progress=False) as recorder:
+    recording = stx.record(
+        model, to=tmp_path / "acts.zarr", max_in_flight=max_in_flight, progress=False
+    )
+    with recording as recorder:
         outs = [recorder(*args) for args in batches]
     for out, args in zip(outs, batches):
         np.testing.assert_allclose(out, model(*args), rtol=1e-6)
