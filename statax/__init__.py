@@ -17,6 +17,7 @@ from ._core.errors import SelectionError as SelectionError
 from ._core.errors import StateError as StateError
 from ._core.errors import StatefulWarning as StatefulWarning
 from ._core.errors import StoreError as StoreError
+from ._core.errors import SweepError as SweepError
 from ._core.errors import UnhandledPrimitiveError as UnhandledPrimitiveError
 from ._core.meta import StateMeta as StateMeta
 from ._core.primitive import save_inter as save_inter
@@ -44,6 +45,8 @@ from ._monitor.sinks import to_dataframe as to_dataframe
 from ._monitor.stats import stats as stats
 from ._monitor.stats import tree_stats as tree_stats
 from ._monitor.track import Tracker as Tracker
+from ._patching.result import SweepResult as SweepResult
+from ._patching.sweep import sweep as sweep
 from ._select.vocabulary import lines as lines
 from ._select.vocabulary import modules as modules
 from ._select.vocabulary import primitives as primitives
@@ -81,6 +84,8 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredArray",
+    "SweepError",
+    "SweepResult",
     "TensorBoardWriter",
     "Tracker",
     "UnhandledPrimitiveError",
@@ -107,6 +112,7 @@ __all__ = [
     "sites",
     "stateful",
     "stats",
+    "sweep",
     "to_dataframe",
     "tree_stats",
 ]

@@ -4,6 +4,7 @@ Imports run toward the engine, never away from it:
 
     __init__, testing   the public API
     _store              a store of captures on disk: record, open_store
+    _patching           patching experiments: sweep
     _monitor            stats, sinks, records, the tracker, the notebook display
     _drivers            pull, plant, grad_inters, stateful: trace, hook the evaluator, cache, name
     _select             selections: the vocabulary, objects, Flax Linen, places, reports
@@ -99,6 +100,7 @@ def test_the_layers_are_the_folders():
         "_drivers",
         "_jax",
         "_monitor",
+        "_patching",
         "_select",
         "_store",
         "extend",

@@ -16,6 +16,7 @@ __all__ = [
     "StateError",
     "StatefulWarning",
     "StoreError",
+    "SweepError",
     "UnhandledPrimitiveError",
 ]
 
@@ -154,6 +155,12 @@ class StoreError(ValueError):
     holds, or a write that failed (a full disk). What it committed before stays readable."""
 
 
+class SweepError(ValueError):
+    """A patching sweep (`stx.sweep`) that cannot run as asked: inputs whose sites differ in
+    shape, an axis a site does not have, a metric that is not a scalar per example, a site
+    that did not run."""
+
+
 # Users catch these as `stx.SelectionError` and the like: tracebacks name them so.
 for _error in (
     UnhandledPrimitiveError,
@@ -166,5 +173,6 @@ for _error in (
     StateError,
     StatefulWarning,
     StoreError,
+    SweepError,
 ):
     _error.__module__ = "statax"

@@ -1,0 +1,1 @@
+"""Patching experiments: `sweep` and what it returns."""
