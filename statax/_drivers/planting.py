@@ -25,7 +25,7 @@ from .._core.errors import PlantError
 from .._core.meta import ARRAY, KeyName, StateMeta, keys_of, kind_str, kinds_str, unwrap
 from .._core.primitive import INPUT, save_inter_p
 
-__all__ = ["Add", "Planting", "feed"]
+__all__ = ["Add", "Planting", "Switch", "feed"]
 
 KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
 
@@ -34,6 +34,18 @@ KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th h
 class Add:
     """A perturbation added to a marked value (what `grad_inters` differentiates)."""
 
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A replacement planted where `on` (traced) is true and `mask` (the shape of the value's
+    first array, as `pull` returns it: stacked by loops, batched by a `vmap`) touches the
+    occurrence; the others keep their value. One program then plants or keeps, as the traced
+    `on` says (what `stx.sweep` runs: one patch of many, chosen at run time)."""
+
+    on: Any
+    mask: Any
     value: Any
 
 
@@ -156,6 +168,10 @@ def feed(
         choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
         spec = values[key] if key in values else values.get(meta.planted_as)
         code, replacement = KEEP, None
+        if isinstance(spec, Switch):
+            out.append(_switched(key, meta, spec, choice_aval, value_avals))
+            out.extend(_replacement(key, meta, spec.value, value_avals))
+            continue
         if isinstance(spec, Add):
             code, replacement = ADD, spec.value
         elif callable(spec):
@@ -165,6 +181,20 @@ def feed(
         out.append(np.full(choice_aval.shape, code, np.int32))
         out.extend(_replacement(key, meta, replacement, value_avals))
     return out
+
+
+def _switched(key, meta, spec: Switch, choice_aval, value_avals) -> jax.Array:
+    """The choice of each occurrence of a `Switch`: replace where it is on and its mask
+    touches the occurrence (the mask's leading axes are the occurrences'), keep elsewhere."""
+    occurrences = choice_aval.shape
+    mask = jnp.asarray(spec.mask, bool)
+    if mask.shape != value_avals[0].shape or mask.shape[: len(occurrences)] != occurrences:
+        raise PlantError(
+            f"stx.plant: the mask for {key!r} (save_inter at {meta.location}) is {mask.shape}; "
+            f"the value is {value_avals[0].shape}, its occurrences {occurrences}."
+        )
+    touched = mask.reshape(*occurrences, -1).any(-1)
+    return jnp.where(jnp.asarray(spec.on) & touched, REPLACE, KEEP).astype(np.int32)
 
 
 def _array_leaves(key, meta, leaves: list, static: tuple) -> list:

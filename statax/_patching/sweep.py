@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core.errors import SweepError
 from .._drivers.interventions import grad_inters, plant
+from .._drivers.planting import Switch
 from .._drivers.pull import pull
 from .result import SweepResult
 
@@ -213,7 +214,8 @@ def _ablation(mode: str, values: dict, seed: int) -> dict:
 
 
 def _mask(leaf, axes: dict, index) -> jax.Array:
-    """Where `index` (one entry per axis, traced) is, in a leaf's shape, broadcastable."""
+    """Where `index` (one entry per axis, traced) is, in a leaf's shape, broadcastable (all
+    of it where no axis is patched)."""
     mask = jnp.ones((), bool)
     for (_, axis), i in zip(axes.items(), index):
         axis = axis % leaf.ndim
@@ -229,26 +231,23 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
     planted = plant(fn, at=at)
+    _, base_values = pull(fn, at=at)(*base)
 
-    def one(site, flat_index, base, source):
-        def hook_for(s, key):
-            def hook(value):
-                index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-
-                def patch(leaf, src):
-                    patched = jnp.where(_mask(leaf, axes, index), src, leaf) if axes else src
-                    return jnp.where(site == s, patched.astype(leaf.dtype), leaf)
-
-                return jax.tree.map(patch, value, source[key])
-
-            return hook
-
-        out = planted({key: hook_for(s, key) for s, key in enumerate(keys)}, *base)
-        return _metric(metric, out)
+    def one(site, flat_index, base, source, base_values):
+        values = {}
+        for s, key in enumerate(keys):
+            index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
+            masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), base_values[key])
+            patched = jax.tree.map(jnp.where, masks, source[key], base_values[key])
+            first = jnp.broadcast_to(jax.tree.leaves(masks)[0], jax.tree.leaves(patched)[0].shape)
+            values[key] = Switch(site == s, first, patched)
+        return _metric(metric, planted(values, *base))
 
     @jax.jit
-    def run(sites, indices, base, source):
-        return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
+    def run(sites, indices, base, source, base_values):
+        return jax.vmap(one, in_axes=(0, 0, None, None, None))(
+            sites, indices, base, source, base_values
+        )
 
     results = []
     starts = range(0, len(patches), chunk)
@@ -257,7 +256,8 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress
         pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
         s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
-        results.append(np.asarray(run(s, i, base, source))[: stop - start])
+        chunk_values = run(s, i, base, source, base_values)
+        results.append(np.asarray(chunk_values)[: stop - start])
     values = np.concatenate(results)
     out, at_ = {}, 0
     for key in keys:
