@@ -39,10 +39,11 @@ class Add:
 
 @dataclasses.dataclass(frozen=True)
 class Switch:
-    """A replacement planted where `on` (traced) is true and `mask` (the shape of the value's
-    first array, as `pull` returns it: stacked by loops, batched by a `vmap`) touches the
-    occurrence; the others keep their value. One program then plants or keeps, as the traced
-    `on` says (what `stx.sweep` runs: one patch of many, chosen at run time)."""
+    """A replacement planted where `on` (traced) is true, element by element where `mask` is
+    (a pytree of boolean arrays of the value's structure and shapes, as `pull` returns it:
+    stacked by loops, batched by a `vmap`); everything else keeps the value the program
+    computes. One program then plants or keeps, as the traced `on` says (what `stx.sweep`
+    runs: one patch of many, chosen at run time)."""
 
     on: Any
     mask: Any
@@ -56,6 +57,7 @@ class Planting:
 
     names: frozenset
     hooks: tuple  # ((name, (hook, ...)), ...), sorted by name
+    masked: bool = False  # a `Switch` is planted: each mark also takes masks in
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Planting:
@@ -75,7 +77,9 @@ class Planting:
                     hooks.setdefault(name, [])
                     if spec not in hooks[name]:
                         hooks[name].append(spec)
-        return cls(frozenset(names), tuple(sorted((n, tuple(h)) for n, h in hooks.items())))
+        masked = any(isinstance(spec, Switch) for spec in values.values())
+        hooks = tuple(sorted((n, tuple(h)) for n, h in hooks.items()))
+        return cls(frozenset(names), hooks, masked)
 
     @property
     def cotangents(self) -> bool:
@@ -98,20 +102,30 @@ class Planting:
         # constant to derivatives), so that it stays where the mark is: a placeholder of
         # constants alone would be hoisted out of a loop body as loop-invariant.
         operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
-        choice, *replacement = save_inter_p.bind(
-            *map(jax.lax.stop_gradient, operands), meta=in_meta(meta), status=INPUT
+        if self.masked:  # and where, element by element, a replacement goes
+            operands += [jnp.zeros_like(x, dtype=bool) for x in arrays]
+        choice, *taken = save_inter_p.bind(
+            *map(jax.lax.stop_gradient, operands),
+            meta=in_meta(meta, self.masked),
+            status=INPUT,
         )
+        replacement = taken[: len(arrays)]
+        masks = taken[len(arrays) :] if self.masked else [None] * len(arrays)
         out = []
-        for i, (x, r) in enumerate(zip(arrays, replacement, strict=True)):
+        for i, (x, r, m) in enumerate(zip(arrays, replacement, masks, strict=True)):
             added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
-            out.append(jax.lax.select_n(choice, x, r, added, *(h[i] for h in hooked)))
+            replaced = r if m is None else jnp.where(m, r, x)
+            out.append(jax.lax.select_n(choice, x, replaced, added, *(h[i] for h in hooked)))
         return out
 
 
-def in_meta(meta: StateMeta) -> StateMeta:
-    """What a planted mark takes in: its choice, then a replacement of the value's structure."""
-    treedef = jax.tree_util.treedef_tuple((jax.tree_util.tree_structure(0), meta.treedef))
-    return dataclasses.replace(meta, treedef=treedef, static_leaves=(ARRAY, *meta.static_leaves))
+def in_meta(meta: StateMeta, masked: bool = False) -> StateMeta:
+    """What a planted mark takes in: its choice, then a replacement of the value's structure
+    (and, `masked`, masks of it: where the replacement goes)."""
+    trees = (jax.tree_util.tree_structure(0), meta.treedef) + ((meta.treedef,) if masked else ())
+    static = (ARRAY, *meta.static_leaves, *(meta.static_leaves if masked else ()))
+    treedef = jax.tree_util.treedef_tuple(trees)
+    return dataclasses.replace(meta, treedef=treedef, static_leaves=static)
 
 
 def _hooked(meta, hook, value, arrays) -> list:
@@ -166,11 +180,17 @@ def feed(
         leaf_avals = avals[start : start + meta.num_arrays]
         start += meta.num_arrays
         choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
+        mask_avals = []
+        if planting.masked:  # (the masks after the values)
+            half = len(value_avals) // 2
+            value_avals, mask_avals = value_avals[:half], value_avals[half:]
         spec = values[key] if key in values else values.get(meta.planted_as)
         code, replacement = KEEP, None
         if isinstance(spec, Switch):
-            out.append(_switched(key, meta, spec, choice_aval, value_avals))
+            masks = [jnp.broadcast_to(m, a.shape) for m, a in zip(_leaves(spec.mask), mask_avals)]
+            out.append(_switched(spec, choice_aval))
             out.extend(_replacement(key, meta, spec.value, value_avals))
+            out.extend(masks)
             continue
         if isinstance(spec, Add):
             code, replacement = ADD, spec.value
@@ -180,21 +200,19 @@ def feed(
             code, replacement = REPLACE, spec
         out.append(np.full(choice_aval.shape, code, np.int32))
         out.extend(_replacement(key, meta, replacement, value_avals))
+        out.extend(np.ones(a.shape, bool) for a in mask_avals)
     return out
 
 
-def _switched(key, meta, spec: Switch, choice_aval, value_avals) -> jax.Array:
-    """The choice of each occurrence of a `Switch`: replace where it is on and its mask
-    touches the occurrence (the mask's leading axes are the occurrences'), keep elsewhere."""
-    occurrences = choice_aval.shape
-    mask = jnp.asarray(spec.mask, bool)
-    if mask.shape != value_avals[0].shape or mask.shape[: len(occurrences)] != occurrences:
-        raise PlantError(
-            f"stx.plant: the mask for {key!r} (save_inter at {meta.location}) is {mask.shape}; "
-            f"the value is {value_avals[0].shape}, its occurrences {occurrences}."
-        )
-    touched = mask.reshape(*occurrences, -1).any(-1)
-    return jnp.where(jnp.asarray(spec.on) & touched, REPLACE, KEEP).astype(np.int32)
+def _switched(spec: Switch, choice_aval) -> jax.Array:
+    """The choice of each occurrence of a `Switch`: replace (where its masks say) where it is
+    on, keep elsewhere."""
+    on = jnp.broadcast_to(jnp.asarray(spec.on), choice_aval.shape)
+    return jnp.where(on, REPLACE, KEEP).astype(np.int32)
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_leaves(tree)
 
 
 def _array_leaves(key, meta, leaves: list, static: tuple) -> list:
@@ -231,7 +249,7 @@ def _replacement(key, meta, replacement, avals) -> list:
             f"structure {treedef}; the marked value has {value_treedef}."
         )
     out = []
-    static = meta.static_leaves[1:]  # the value's (after the choice)
+    static = meta.static_leaves[1 : 1 + value_treedef.num_leaves]  # the value's (after the choice)
     leaves = _array_leaves(key, meta, leaves, static)
     for x, aval in zip(leaves, avals, strict=True):
         x = jnp.asarray(x) if not isinstance(x, (int, float, complex)) else x

@@ -40,6 +40,7 @@ def sweep(
     axes: Mapping[str, int] | None = None,
     mode: str = "denoising",
     method: str = "exact",
+    examples: int = 0,
     batch_size: int = 64,
     seed: int = 0,
     progress: bool | None = None,
@@ -71,6 +72,9 @@ def sweep(
         method: `"exact"` runs every patch; `"attribution"` takes the first-order term of each
             patch from one forward and one backward pass at the base run (attribution
             patching), shaped as the exact sweep's result.
+        examples: the axis of each site's value that counts the examples, which `"mean"`
+            averages over and `"resample"` shuffles (a site stacked by a `scan` over layers
+            outside a `vmap` has the layers first: `examples=1`).
         batch_size: how many patches run at once (memory grows with it).
         seed: the shuffle of `"resample"`.
         progress: a progress bar over the chunks (tqdm): None shows one where tqdm is
@@ -107,7 +111,7 @@ def sweep(
     elif mode == "noising":
         base, source = clean, {k: corrupted_values[k] for k in keys}
     else:
-        base, source = clean, _ablation(mode, clean_values, seed)
+        base, source = clean, _ablation(mode, clean_values, examples, seed)
     baseline = corrupted_metric if base is corrupted else clean_metric
 
     if method == "attribution":
@@ -198,17 +202,18 @@ def _axis_sizes(key, value, axes: dict) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _ablation(mode: str, values: dict, seed: int) -> dict:
+def _ablation(mode: str, values: dict, axis: int, seed: int) -> dict:
     def source(v):
         if mode == "zero":
             return jnp.zeros_like(v)
         if mode == "mean":
-            return jnp.broadcast_to(jnp.mean(v, axis=0, keepdims=True), v.shape).astype(v.dtype)
-        examples = v.shape[0]
+            mean = jnp.mean(v, axis=axis, keepdims=True)
+            return jnp.broadcast_to(mean, v.shape).astype(v.dtype)
+        examples = v.shape[axis]
         if examples < 2:
             raise SweepError("stx.sweep(mode='resample') needs at least two examples.")
         shift = 1 + int(np.random.default_rng(seed).integers(examples - 1))
-        return jnp.roll(v, shift, axis=0)  # every example takes another's value
+        return jnp.roll(v, shift, axis=axis)  # every example takes another's value
 
     return {k: jax.tree.map(source, v) for k, v in values.items()}
 
@@ -231,16 +236,14 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
     planted = plant(fn, at=at)
-    _, base_values = pull(fn, at=at)(*base)
+    base_values = {k: jax.tree.map(jnp.zeros_like, v) for k, v in source.items()}  # (shapes)
 
     def one(site, flat_index, base, source, base_values):
         values = {}
         for s, key in enumerate(keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
             masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), base_values[key])
-            patched = jax.tree.map(jnp.where, masks, source[key], base_values[key])
-            first = jnp.broadcast_to(jax.tree.leaves(masks)[0], jax.tree.leaves(patched)[0].shape)
-            values[key] = Switch(site == s, first, patched)
+            values[key] = Switch(site == s, masks, source[key])
         return _metric(metric, planted(values, *base))
 
     @jax.jit
