@@ -134,3 +134,206 @@ def test_random_layered_programs_against_the_forward_pass_by_hand(seed):
 @pytest.mark.parametrize("seed", range(6, 60))
 def test_random_layered_programs_at_size(seed):
     check_layered(seed)
+
+
+# ---- real models: the sweep against the loop of plant calls it replaces ------------------------
+
+
+def loop_of_plants(fn, metric, at, base, source, keys, axes):
+    """One `stx.plant` call per site and index, run separately: the site's value in the base
+    run, with the index taken from the source (the loop TransformerLens and nnsight run)."""
+    _, base_values = stx.pull(fn, at=at)(*base)
+    out = {}
+    for key in keys:
+        planted = jax.jit(
+            lambda value, base, key=key: metric(stx.plant(fn, at=at)({key: value}, *base))
+        )
+        leaves = jax.tree.leaves(base_values[key])
+        sizes = tuple(leaves[0].shape[a] for a in axes.values())
+        values = np.zeros(sizes)
+        for index in np.ndindex(*sizes):
+
+            def patch(b, s):
+                mask = np.zeros(b.shape, bool)
+                where = [slice(None)] * b.ndim
+                for a, i in zip(axes.values(), index):
+                    where[a] = i
+                mask[tuple(where)] = True
+                return jnp.where(mask, s, b)
+
+            value = jax.tree.map(patch, base_values[key], source[key])
+            values[index] = float(jnp.mean(planted(value, base)))
+        out[key] = values
+    return out
+
+
+def sources(mode, fn, at, clean, corrupted, keys, examples=0):
+    """The base run and each site's source, by mode, written out."""
+    _, c = stx.pull(fn, at=at)(*clean)
+    _, x = stx.pull(fn, at=at)(*corrupted)
+    if mode == "denoising":
+        return corrupted, c
+    if mode == "noising":
+        return clean, x
+    ablate = {
+        "zero": lambda v: jnp.zeros_like(v),
+        "mean": lambda v: jnp.broadcast_to(jnp.mean(v, examples, keepdims=True), v.shape),
+        "resample": lambda v: jnp.roll(
+            v, 1 + int(np.random.default_rng(0).integers(v.shape[examples] - 1)), examples
+        ),
+    }[mode]
+    return clean, {k: jax.tree.map(ablate, c[k]) for k in keys}
+
+
+def check_against_loop(fn, metric, clean, corrupted, at, axes, mode):
+    result = stx.sweep(fn, metric, clean, corrupted, at=at, axes=axes, mode=mode, batch_size=5)
+    base, source = sources(mode, fn, at, clean, corrupted, result.sites)
+    want = loop_of_plants(fn, metric, at, base, source, result.sites, axes)
+    assert list(want) == list(result.sites)
+    for key in result.sites:
+        np.testing.assert_allclose(result[key], want[key], rtol=2e-4, atol=2e-5, err_msg=key)
+    return result
+
+
+# A Hugging Face Flax GPT-2 (random-init, no download) and an IOI-style pair: the same
+# sentence with the two names swapped; the metric, the logit of one name minus the other's.
+IOI_CLEAN = jnp.array([[3, 11, 4, 12, 5, 6, 12, 7, 8], [3, 13, 4, 14, 5, 6, 14, 7, 8]])
+IOI_CORRUPTED = jnp.array([[3, 12, 4, 11, 5, 6, 11, 7, 8], [3, 14, 4, 13, 5, 6, 13, 7, 8]])
+
+
+def logit_difference(logits):
+    names = jnp.array([[11, 12], [13, 14]])  # (right, wrong) per prompt
+    last = logits[:, -1]
+    return jnp.take_along_axis(last, names, 1) @ jnp.array([1.0, -1.0])
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    with jax.numpy_rank_promotion("allow"):  # (transformers broadcasts ranks implicitly)
+        model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    return (lambda params, ids: model(ids, params=params).logits), model.params
+
+
+GPT2_BLOCKS = stx.scopes("FlaxGPT2LMHeadModule/transformer/h/*")
+
+
+@pytest.mark.usefixtures("allow_rank_promotion")
+@pytest.mark.parametrize(
+    "mode", ["denoising", *(pytest.param(m, marks=pytest.mark.exhaustive) for m in MODES[1:])]
+)
+def test_gpt2_ioi_every_block_and_position(gpt2, mode):
+    run, params = gpt2
+    result = check_against_loop(
+        run,
+        logit_difference,
+        (params, IOI_CLEAN),
+        (params, IOI_CORRUPTED),
+        GPT2_BLOCKS,
+        {"position": 1},
+        mode,
+    )
+    assert list(result.sites) == [f"FlaxGPT2LMHeadModule/transformer/h/{i}_0" for i in range(2)]
+    assert result.array().shape == (2, 9)
+    if mode == "denoising":  # patching the last block's whole residual at the last position
+        # gives the clean run's answer: nothing after it mixes positions
+        np.testing.assert_allclose(result.array()[-1, -1], result.clean, rtol=1e-4)
+        np.testing.assert_allclose(result.baseline, result.corrupted)
+
+
+def eqx_transformer():
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        attention: eqx.nn.MultiheadAttention
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
+            self.mlp = eqx.nn.MLP(8, 8, 16, 1, key=k2)
+
+        def __call__(self, x):  # (positions, features)
+            x = x + self.attention(x, x, x)
+            return x + jax.vmap(self.mlp)(x)
+
+    class Transformer(eqx.Module):
+        blocks: tuple
+
+        def __init__(self, key):
+            self.blocks = tuple(Block(k) for k in jax.random.split(key, 3))
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return jnp.sum(x[-1])
+
+    return Transformer(jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_equinox_transformer_every_mode(mode):
+    model = eqx_transformer()
+    run = lambda x: jax.vmap(model)(x)  # noqa: E731  (examples by vmap: the sites are batched)
+    rng = np.random.default_rng(0)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32) for _ in range(2))
+    at = stx.modules("blocks[*]", of=model)
+    check_against_loop(run, lambda out: out, (clean,), (corrupted,), at, {"position": 1}, mode)
+
+
+@pytest.mark.parametrize("mode", ["denoising", pytest.param("zero", marks=pytest.mark.exhaustive)])
+def test_flax_nnx_model(mode):
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(6, 6, rngs=rngs)
+
+        def __call__(self, x):  # (examples, positions, features)
+            return x + jnp.tanh(self.lin(jnp.cumsum(x, axis=1)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return jnp.sum(x[:, -1], axis=-1)
+
+    net = Net(nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 4, 6)), jnp.float32) for _ in range(2))
+    at = stx.modules("blocks[*]")
+    check_against_loop(net, lambda out: out, (clean,), (corrupted,), at, {"position": 1}, mode)
+
+
+@pytest.mark.parametrize("mode", ["denoising", pytest.param("mean", marks=pytest.mark.exhaustive)])
+def test_penzai_model(mode):
+    from penzai import pz
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=2,
+        query_head_multiplier=1,
+        embedding_dim=16,
+        projection_dim=8,
+        mlp_hidden_dim=32,
+        num_decoder_blocks=2,
+        vocab_size=50,
+        mlp_variant="geglu_approx",
+        tie_embedder_and_logits=False,
+    )
+    lm = pz.freeze_params(llamalike_common.build_llamalike_transformer(config, jax.random.key(0)))
+
+    def run(model, ids):
+        return model(pz.nx.wrap(ids).tag("batch", "seq")).unwrap("batch", "seq", "vocabulary")
+
+    at = stx.modules("body.sublayers[1]", "body.sublayers[2]", of=lm)  # the two blocks
+    clean = (lm, IOI_CLEAN)
+    corrupted = (lm, IOI_CORRUPTED)
+    # A block's value is a NamedArray over (batch, seq, embedding): positions are axis 1.
+    check_against_loop(run, logit_difference, clean, corrupted, at, {"position": 1}, mode)

@@ -77,7 +77,10 @@ def split(leaves: list, treedef) -> tuple[_Packed, tuple, dict, tuple]:
 
 def calling(call):
     """`call(tree, *args, **kwargs)` for packed arguments: merges the graph nodes back, calls,
-    and returns `(out, new_state)`."""
+    and returns `(out, changed)`: the state's arrays the call changed, `None` for the others
+    (found while tracing: an unchanged variable still holds the array merged in), so that a
+    call that changes nothing writes nothing back, also from inside a trace that closes over
+    the nodes (where NNX refuses any update)."""
 
     def packed_call(packed: _Packed, *args, **kwargs):
         nnx = sys.modules["flax.nnx"]
@@ -92,7 +95,11 @@ def calling(call):
             put_back, (packed.rest, args, kwargs), is_leaf=lambda x: isinstance(x, Slot)
         )
         out = call(tree, *args, **kwargs)
-        return out, nnx.state(nodes)
+        new = jax.tree_util.tree_leaves(nnx.state(nodes))
+        if len(new) != len(packed.arrays):  # variables made or dropped: all of it
+            return out, {"whole": nnx.state(nodes)}
+        changed = [b if b is not a else None for a, b in zip(packed.arrays, new)]
+        return out, changed
 
     return packed_call
 
@@ -101,12 +108,14 @@ def _slots(tree) -> list[Slot]:
     return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, Slot)]
 
 
-def update(nodes: tuple, state) -> None:
-    """Update the caller's graph nodes with the state the call left, where it changed any: a
-    call that changed nothing leaves them as they are, also under a `jax.jit` that closes over
-    them (where NNX refuses any update from inside the trace)."""
+def update(nodes: tuple, changed) -> None:
+    """Update the caller's graph nodes with what the call changed (`calling`'s `changed`)."""
     nnx = sys.modules["flax.nnx"]
-    old = jax.tree_util.tree_leaves(nnx.state(nodes))
-    new = jax.tree_util.tree_leaves(state)
-    if len(old) != len(new) or any(a is not b for a, b in zip(old, new)):
-        nnx.update(nodes, state)
+    if isinstance(changed, dict):  # the whole state
+        nnx.update(nodes, changed["whole"])
+        return
+    if all(leaf is None for leaf in changed):
+        return
+    old, state_def = jax.tree_util.tree_flatten(nnx.state(nodes))
+    leaves = [a if b is None else b for a, b in zip(old, changed)]
+    nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, leaves))

@@ -165,7 +165,7 @@ def _same_shapes(keys, clean: dict, corrupted: dict) -> None:
                 f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) ran in the "
                 "clean run but not in the corrupted one. Patch sites that run in both."
             )
-        shapes = [jax.tree.map(jnp.shape, v) for v in (clean[key], corrupted[key])]
+        shapes = [[jnp.shape(x) for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
         if shapes[0] != shapes[1]:
             raise SweepError(
                 f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has shape "
