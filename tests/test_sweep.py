@@ -337,3 +337,132 @@ def test_penzai_model(mode):
     corrupted = (lm, IOI_CORRUPTED)
     # A block's value is a NamedArray over (batch, seq, embedding): positions are axis 1.
     check_against_loop(run, logit_difference, clean, corrupted, at, {"position": 1}, mode)
+
+
+# ---- attribution patching against the first-order term by hand ---------------------------------
+
+
+@pytest.mark.parametrize("mode", ["denoising", "zero"])
+def test_attribution_is_the_first_order_term_of_each_patch(mode):
+    """At each site and index: the metric at the base run plus the derivative of the metric
+    along the patch (the source minus the base value, where the index is), by `jax.jvp`
+    through the model with that site's value planted."""
+    model = eqx_transformer()
+    run = lambda x: jax.vmap(model)(x)  # noqa: E731
+    rng = np.random.default_rng(2)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32) for _ in range(2))
+    at = stx.modules("blocks[*]", of=model)
+    axes = {"position": 1}
+    got = stx.sweep(
+        run, jnp.mean, (clean,), (corrupted,), at=at, axes=axes, mode=mode, method="attribution"
+    )
+    exact = stx.sweep(run, jnp.mean, (clean,), (corrupted,), at=at, axes=axes, mode=mode)
+    base, source = sources(mode, run, at, (clean,), (corrupted,), got.sites)
+    _, base_values = stx.pull(run, at=at)(*base)
+    baseline = float(jnp.mean(run(*base)))
+    for key in got.sites:
+        want = np.zeros(got[key].shape)
+        for (t,) in np.ndindex(*want.shape):
+            direction = (
+                jnp.zeros_like(base_values[key])
+                .at[:, t]
+                .set((source[key] - base_values[key])[:, t])
+            )
+
+            def along(e, key=key, direction=direction):
+                planted = base_values[key] + e * direction
+                return jnp.mean(stx.plant(run, at=at)({key: planted}, *base))
+
+            _, slope = jax.jvp(along, (0.0,), (1.0,))
+            want[t] = baseline + float(slope)
+        np.testing.assert_allclose(got[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert got.method == "attribution" and got.array().shape == exact.array().shape
+    assert got.baseline == exact.baseline
+
+
+# ---- the result ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = Layered(3)  # unrolled layers
+    return model, stx.sweep(
+        model,
+        lambda out: out,
+        (model.clean, model.ws),
+        (model.corrupted, model.ws),
+        axes={"position": len(model.names) - 2},
+        progress=False,
+    )
+
+
+def test_the_result_as_a_dataframe_a_heatmap_and_html(small):
+    model, result = small
+    frame = result.to_dataframe()
+    assert list(frame.columns) == ["site", "position", "metric"]
+    assert len(frame) == model.layers * model.positions
+    row = frame.iloc[model.positions + 1]
+    assert (row.site, row.position) == ("resid_1", 1)
+    assert row.metric == pytest.approx(result["resid_1"][1])
+    figure = result.heatmap()
+    image = figure.axes[0].images[0].get_array()
+    np.testing.assert_allclose(image, result.array())
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == list(result.sites)
+    html = result._repr_html_()
+    assert html.count("<tr>") == model.layers and 'src="data:image/png;base64,' in html
+    normalized = result.normalized()
+    want = (result["resid_0"] - result.corrupted) / (result.clean - result.corrupted)
+    np.testing.assert_allclose(normalized["resid_0"], want)
+    assert result.correlation(result) == pytest.approx(1.0)
+
+
+def test_progress_and_batch_sizes_give_the_same_result(small, capsys):
+    model, result = small
+    for batch_size in (1, 2, 1000):
+        again = stx.sweep(
+            model,
+            lambda out: out,
+            (model.clean, model.ws),
+            (model.corrupted, model.ws),
+            axes={"position": len(model.names) - 2},
+            batch_size=batch_size,
+            progress=True,
+        )
+        np.testing.assert_allclose(again.array(), result.array(), rtol=1e-6)
+    assert "patching" in capsys.readouterr().err
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_input_is_an_error_that_says_what_and_where(small):
+    model, _ = small
+    args = (model.clean, model.ws)
+    identity = lambda out: out  # noqa: E731
+    shorter = (model.corrupted[:, :-1], model.ws)
+    with pytest.raises(
+        stx.SweepError,
+        match=r"site 'resid_0' \(saved at .*test_sweep.py:\d+\) has shape .* in the clean run and .* in the corrupted one",
+    ):
+        stx.sweep(model, identity, args, shorter)
+    with pytest.raises(stx.SweepError, match=r"has no axis 5 \('head'\) to patch along"):
+        stx.sweep(model, identity, args, (model.corrupted, model.ws), axes={"head": 5})
+    with pytest.raises(stx.SweepError, match="must return a float scalar, or one per example"):
+        stx.sweep(model, lambda out: jnp.stack([out, out], 1), args, (model.corrupted, model.ws))
+    with pytest.raises(stx.SweepError, match=r"the sites \['attn'\] did not run"):
+        stx.sweep(model, identity, args, (model.corrupted, model.ws), sites=["attn"])
+    with pytest.raises(stx.SweepError, match="pass corrupted="):
+        stx.sweep(model, identity, args)
+    with pytest.raises(stx.SweepError, match="tuple of fn's positional arguments"):
+        stx.sweep(model, identity, model.clean, mode="zero")
+    with pytest.raises(stx.SweepError, match="mode='restore'; it is one of"):
+        stx.sweep(model, identity, args, mode="restore")
+
+    def branchy(x, ws):
+        h = stx.save_inter(x * 2, name="h")
+        if x.shape[0] > 100:  # never, here
+            stx.save_inter(h, name="rare")
+        return jnp.sum(h, axis=(-2, -1))
+
+    with pytest.raises(stx.SweepError, match=r"the sites \['rare'\] did not run"):
+        stx.sweep(branchy, identity, args, mode="zero", sites=["h", "rare"])
