@@ -466,3 +466,24 @@ def test_bad_input_is_an_error_that_says_what_and_where(small):
 
     with pytest.raises(stx.SweepError, match=r"the sites \['rare'\] did not run"):
         stx.sweep(branchy, identity, args, mode="zero", sites=["h", "rare"])
+
+
+def test_sharded_inputs_and_patches_sharded_over_devices(small):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    model, result = small  # 2 examples
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("e", "p"))
+    by_example = NamedSharding(mesh, P("e"))  # the inputs, over two devices' examples
+    clean, corrupted = (jax.device_put(x, by_example) for x in (model.clean, model.corrupted))
+    sharded = stx.sweep(
+        model,
+        lambda out: out,
+        (clean, model.ws),
+        (corrupted, model.ws),
+        axes={"position": len(model.names) - 2},
+        batch_size=4,
+        patch_sharding=NamedSharding(mesh, P(("e", "p"))),  # patches over all four
+        progress=False,
+    )
+    np.testing.assert_allclose(sharded.array(), result.array(), rtol=1e-5, atol=1e-6)

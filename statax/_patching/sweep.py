@@ -42,6 +42,7 @@ def sweep(
     method: str = "exact",
     examples: int = 0,
     batch_size: int = 64,
+    patch_sharding: jax.sharding.Sharding | None = None,
     seed: int = 0,
     progress: bool | None = None,
 ) -> SweepResult:
@@ -76,6 +77,9 @@ def sweep(
             averages over and `"resample"` shuffles (a site stacked by a `scan` over layers
             outside a `vmap` has the layers first: `examples=1`).
         batch_size: how many patches run at once (memory grows with it).
+        patch_sharding: a sharding of one axis over devices (`NamedSharding(mesh, P("p"))`):
+            each chunk's patches are split over them (`batch_size` a multiple of their
+            number). The inputs keep their own sharding either way.
         seed: the shuffle of `"resample"`.
         progress: a progress bar over the chunks (tqdm): None shows one where tqdm is
             installed and the output is a terminal.
@@ -117,7 +121,9 @@ def sweep(
     if method == "attribution":
         values = _attribution(fn, metric, at, base, keys, source, axes, sizes)
     else:
-        values = _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress)
+        values = _exact(
+            fn, metric, at, base, keys, source, axes, sizes, batch_size, patch_sharding, progress
+        )
     return SweepResult(
         sites=keys,
         axes=tuple(axes),
@@ -230,7 +236,7 @@ def _mask(leaf, axes: dict, index) -> jax.Array:
     return mask
 
 
-def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress):
+def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding, progress):
     patches = [(s, i) for s, key in enumerate(keys) for i in range(math.prod(sizes[key]))]
     site_ids = np.array([s for s, _ in patches], np.int32)
     flat = np.array([i for _, i in patches], np.int32)
@@ -259,6 +265,8 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, progress
         pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
         s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
+        if sharding is not None:  # the chunk's patches split over devices
+            s, i = jax.device_put((s, i), sharding)
         chunk_values = run(s, i, base, source, base_values)
         results.append(np.asarray(chunk_values)[: stop - start])
     values = np.concatenate(results)
