@@ -24,7 +24,8 @@ class SweepResult:
     or none where each site was patched whole. `baseline` is the metric of the run patched
     into (the corrupted run when denoising, the clean run otherwise), `clean` and `corrupted`
     the metric of each run. `method` is `"exact"` or `"attribution"` (the first-order
-    estimate of each patch)."""
+    estimate of each patch). `memory` is what the compiled program of one chunk of patches
+    holds (`memory_analysis()`: its temporaries grow with `batch_size`), for an exact sweep."""
 
     sites: list
     axes: tuple
@@ -35,6 +36,7 @@ class SweepResult:
     mode: str
     method: str
     locations: dict
+    memory: object = None
 
     def __getitem__(self, site: str) -> np.ndarray:
         return self.values[site]

@@ -111,17 +111,19 @@ def sweep(
     sizes = {k: _axis_sizes(k, clean_values[k], axes) for k in keys}
 
     if mode == "denoising":
-        base, source = corrupted, clean_values
+        base, base_values, source = corrupted, corrupted_values, clean_values
     elif mode == "noising":
-        base, source = clean, {k: corrupted_values[k] for k in keys}
+        base, base_values, source = clean, clean_values, {k: corrupted_values[k] for k in keys}
     else:
-        base, source = clean, _ablation(mode, clean_values, examples, seed)
+        base, base_values = clean, clean_values
+        source = _ablation(mode, clean_values, examples, seed)
     baseline = corrupted_metric if base is corrupted else clean_metric
 
+    memory = None
     if method == "attribution":
-        values = _attribution(fn, metric, at, base, keys, source, axes, sizes)
+        values = _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes)
     else:
-        values = _exact(
+        values, memory = _exact(
             fn, metric, at, base, keys, source, axes, sizes, batch_size, patch_sharding, progress
         )
     return SweepResult(
@@ -134,6 +136,7 @@ def sweep(
         mode=mode,
         method=method,
         locations={k: getattr(k, "location", "") for k in keys},
+        memory=memory,
     )
 
 
@@ -242,23 +245,20 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
     planted = plant(fn, at=at)
-    base_values = {k: jax.tree.map(jnp.zeros_like, v) for k, v in source.items()}  # (shapes)
 
-    def one(site, flat_index, base, source, base_values):
+    def one(site, flat_index, base, source):
         values = {}
         for s, key in enumerate(keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-            masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), base_values[key])
+            masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), source[key])
             values[key] = Switch(site == s, masks, source[key])
         return _metric(metric, planted(values, *base))
 
     @jax.jit
-    def run(sites, indices, base, source, base_values):
-        return jax.vmap(one, in_axes=(0, 0, None, None, None))(
-            sites, indices, base, source, base_values
-        )
+    def run(sites, indices, base, source):
+        return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
 
-    results = []
+    results, memory = [], None
     starts = range(0, len(patches), chunk)
     for start in _progress(starts, progress, len(patches)):
         stop = min(start + chunk, len(patches))
@@ -267,37 +267,41 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        chunk_values = run(s, i, base, source, base_values)
+        chunk_values = run(s, i, base, source)
         results.append(np.asarray(chunk_values)[: stop - start])
+        if memory is None:  # what one chunk's program holds (the compilation is cached)
+            memory = run.lower(s, i, base, source).compile().memory_analysis()
     values = np.concatenate(results)
     out, at_ = {}, 0
     for key in keys:
         n = math.prod(sizes[key])
         out[key] = values[at_ : at_ + n].reshape(sizes[key])
         at_ += n
-    return out
+    return out, memory
 
 
-def _attribution(fn, metric, at, base, keys, source, axes, sizes):
+def _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes):
     def loss(*args):
         return _metric(metric, fn(*args))
 
-    _, grads = grad_inters(loss, at=at)(*base)
-    _, base_values = pull(fn, at=at)(*base)
-    out = {}
-    for key in keys:
-        terms = jax.tree.map(
-            lambda src, v, g: (src - v) * g, source[key], base_values[key], grads[key]
-        )
-        total = 0.0
-        for leaf in jax.tree.leaves(terms):
-            kept = [a % leaf.ndim for a in axes.values()]
-            summed = jnp.sum(leaf, axis=tuple(a for a in range(leaf.ndim) if a not in kept))
-            order = sorted(kept)  # what sum leaves, in the order of `axes`
-            total = total + jnp.transpose(summed, [order.index(a) for a in kept])
-        out[key] = np.asarray(total).reshape(sizes[key])
-    baseline = float(_metric(metric, fn(*base)))
-    return {key: baseline + value for key, value in out.items()}
+    def first_order(base, base_values, source):
+        baseline, grads = grad_inters(loss, at=at)(*base)  # (compiled where it is traced)
+        out = {}
+        for key in keys:
+            total = 0.0
+            for src, v, g in zip(
+                *map(jax.tree.leaves, (source[key], base_values[key], grads[key]))
+            ):
+                term = (src - v) * g
+                kept = [a % term.ndim for a in axes.values()]
+                summed = jnp.sum(term, axis=tuple(a for a in range(term.ndim) if a not in kept))
+                order = sorted(kept)  # what the sum leaves, in the order of `axes`
+                total = total + jnp.transpose(summed, [order.index(a) for a in kept])
+            out[key] = baseline + total
+        return out
+
+    values = first_order(base, {k: base_values[k] for k in keys}, source)
+    return {key: np.asarray(values[key]).reshape(sizes[key]) for key in keys}
 
 
 def _progress(items, progress, total):
