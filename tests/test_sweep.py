@@ -4,11 +4,11 @@ mode), against the loop of `stx.plant` calls it replaces on real models (Hugging
 GPT-2 with an IOI-style pair of prompts, an equinox transformer, Flax NNX, penzai), attribution
 against the first-order term by hand (`jax.jvp`), and every bad input."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
 import statax as stx
 
 MODES = ["denoising", "noising", "zero", "mean", "resample"]
@@ -408,6 +408,7 @@ def test_the_result_as_a_dataframe_a_heatmap_and_html(small):
     image = figure.axes[0].images[0].get_array()
     np.testing.assert_allclose(image, result.array())
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == list(result.sites)
+    assert figure.axes[0].get_ylabel() == "site"
     html = result._repr_html_()
     assert html.count("<tr>") == model.layers and 'src="data:image/png;base64,' in html
     normalized = result.normalized()
@@ -442,7 +443,8 @@ def test_bad_input_is_an_error_that_says_what_and_where(small):
     shorter = (model.corrupted[:, :-1], model.ws)
     with pytest.raises(
         stx.SweepError,
-        match=r"site 'resid_0' \(saved at .*test_sweep.py:\d+\) has shape .* in the clean run and .* in the corrupted one",
+        match=r"site 'resid_0' \(saved at .*test_sweep.py:\d+\) has shape .* in the clean run "
+        r"and .* in the corrupted one",
     ):
         stx.sweep(model, identity, args, shorter)
     with pytest.raises(stx.SweepError, match=r"has no axis 5 \('head'\) to patch along"):

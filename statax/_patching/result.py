@@ -8,6 +8,7 @@ import dataclasses
 import html
 import io
 import itertools
+import os
 
 import numpy as np
 
@@ -90,14 +91,18 @@ class SweepResult:
 
         grid = self.array()
         grid = grid.reshape(len(self.sites), -1) if grid.ndim != 2 else grid
+        names = [str(s) for s in self.sites]
+        cut = os.path.commonprefix(names).rfind("/") + 1  # a shared scope, shown once
         if ax is None:
-            fig, ax = plt.subplots(figsize=(1.2 + 0.45 * grid.shape[1], 0.8 + 0.4 * grid.shape[0]))
+            size = (2.5 + 0.5 * grid.shape[1], 1.2 + 0.45 * grid.shape[0])
+            fig, ax = plt.subplots(figsize=size)
         else:
             fig = ax.figure
         image = ax.imshow(grid, cmap="RdBu_r", aspect="auto", interpolation="nearest")
         limit = np.max(np.abs(grid - self.baseline)) or 1.0
         image.set_clim(self.baseline - limit, self.baseline + limit)
-        ax.set_yticks(range(len(self.sites)), [str(s) for s in self.sites])
+        ax.set_yticks(range(len(names)), [n[cut:] for n in names])
+        ax.set_ylabel(names[0][:cut] if cut else "site")
         ax.set_xlabel(self.axes[0] if self.axes else "")
         ax.set_title(title or f"{self.mode} ({self.method}): metric after each patch")
         fig.colorbar(image, ax=ax, label="metric")

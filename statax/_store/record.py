@@ -63,8 +63,10 @@ def record(
     Args:
         fn: the function, as `pull` takes it.
         to: the store's folder: new, empty, or a store `record` made.
-        only, at, summarize: as in `pull`. With `summarize=`, each call's summaries are one row
-            (the store's rows are then batches, not examples).
+        only: as in `pull`: the marks to record.
+        at: as in `pull`: selections that make marks where none were written.
+        summarize: as in `pull`; each call's summaries are then one row (the store's rows are
+            batches, not examples).
         axis: the axis of each value that counts examples (an int, or `{key: axis}` with 0
             for the keys not given); it becomes the store's axis 0. Every key must have the
             same number of examples.
