@@ -36,8 +36,10 @@ MAY_IMPORT = {
     "_drivers": {"_drivers", "_select", "_core", "_jax"},
     "_monitor": {"_monitor", "_drivers", "_select", "_core", "_jax"},
     "_store": {"_store", "_monitor", "_drivers", "_select", "_core", "_jax"},
+    "_patching": {"_patching", "_monitor", "_drivers", "_select", "_core", "_jax"},
     "top": {
         "top",
+        "_patching",
         "_store",
         "_monitor",
         "_drivers",
