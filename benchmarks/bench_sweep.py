@@ -141,9 +141,32 @@ def main():
         f"(goal >= 50)   {t['sweep']:.2f} s vs {t['attribution']:.2f} s"
     )
     print(f"attribution against exact, correlation {exact.correlation(sweep('attribution')):.3f}")
+
+    def loop_of_hooks():  # as a loop over hooks is written: each call traced and compiled
+        fn = fresh()
+        _, clean_acts = stx.pull(fn)(params, clean)
+        out = np.zeros((LAYERS, POSITIONS))
+        for layer in range(LAYERS):
+            key = f"resid_{layer}"
+            for t in range(POSITIONS):
+                src = clean_acts[key][:, t]
+                hook = lambda v, t=t, src=src: v.at[:, t].set(src)  # noqa: E731
+                planted = jax.jit(
+                    lambda ids, hook=hook, key=key: stx.plant(fn)({key: hook}, params, ids)
+                )
+                out[layer, t] = float(jnp.mean(metric(planted(corrupted))))
+        return out
+
+    start = time.perf_counter()
+    np.testing.assert_allclose(loop_of_hooks(), exact.array(), rtol=1e-4, atol=1e-4)
+    hooks = time.perf_counter() - start
+    print(
+        f"{'loop of 192 hooks, each traced and compiled / sweep':<44} {hooks / t['sweep']:7.2f}x  "
+        f"(one run)   {hooks:.2f} s vs {t['sweep']:.2f} s"
+    )
     print("memory of one chunk's compiled program as batch_size grows:")
     for batch_size in (1, 8, 32, 64, 192):
-        memory = sweep(batch_size=batch_size).memory
+        memory = sweep(batch_size=batch_size).memory_analysis()
         print(
             f"  batch_size {batch_size:4d}: temporaries {memory.temp_size_in_bytes / 1e6:8.1f} MB, "
             f"arguments {memory.argument_size_in_bytes / 1e6:6.1f} MB"

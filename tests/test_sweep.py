@@ -433,6 +433,33 @@ def test_progress_and_batch_sizes_give_the_same_result(small, capsys):
     assert "patching" in capsys.readouterr().err
 
 
+def test_a_second_sweep_over_new_inputs_compiles_nothing():
+    traced = []
+
+    def model(x, w):
+        traced.append(1)  # once per trace
+        h = stx.save_inter(jnp.tanh(x @ w), name="h")
+        return jnp.sum(stx.save_inter(h * 2, name="g"), axis=-1)
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)
+    pairs = [tuple(jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2))]
+    pairs.append(tuple(jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2)))
+    metric = lambda out: out  # noqa: E731
+    axes = {"feature": 1}
+    first = stx.sweep(model, metric, (pairs[0][0], w), (pairs[0][1], w), axes=axes)
+    count = len(traced)
+    second = stx.sweep(model, metric, (pairs[1][0], w), (pairs[1][1], w), axes=axes)
+    assert len(traced) == count  # nothing traced again, so nothing compiled
+    assert not np.allclose(first.array(), second.array())
+    for site in second.sites:  # the values of the new inputs: the loop of plants says so
+        base, source = sources("denoising", model, None, (pairs[1][0], w), (pairs[1][1], w), [site])
+        want = loop_of_plants(model, metric, None, base, source, [site], axes)
+        np.testing.assert_allclose(second[site], want[site], rtol=1e-5, atol=1e-6)
+    stats = second.memory_analysis()
+    assert stats.temp_size_in_bytes >= 0 and stats.argument_size_in_bytes > 0
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

@@ -25,8 +25,8 @@ class SweepResult:
     or none where each site was patched whole. `baseline` is the metric of the run patched
     into (the corrupted run when denoising, the clean run otherwise), `clean` and `corrupted`
     the metric of each run. `method` is `"exact"` or `"attribution"` (the first-order
-    estimate of each patch). `memory` is what the compiled program of one chunk of patches
-    holds (`memory_analysis()`: its temporaries grow with `batch_size`), for an exact sweep."""
+    estimate of each patch). `memory_analysis()` says what the compiled program of one chunk
+    of patches holds (its temporaries grow with `batch_size`), for an exact sweep."""
 
     sites: list
     axes: tuple
@@ -37,7 +37,13 @@ class SweepResult:
     mode: str
     method: str
     locations: dict
-    memory: object = None
+    lowered: object = dataclasses.field(default=None, repr=False)  # the chunk's, when asked
+
+    def memory_analysis(self):
+        """The compiled chunk program's `memory_analysis()` (an exact sweep's)."""
+        if self.lowered is None:
+            raise ValueError("an attribution sweep runs no chunks of patches.")
+        return self.lowered().compile().memory_analysis()
 
     def __getitem__(self, site: str) -> np.ndarray:
         return self.values[site]

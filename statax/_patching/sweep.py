@@ -10,6 +10,8 @@ Attribution patching reads the gradient of the metric at each site from one back
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -99,15 +101,16 @@ def sweep(
     corrupted = None if corrupted is None else _arguments(corrupted, "corrupted")
     axes = dict(axes or {})
 
-    clean_out, clean_values = pull(fn, at=at)(*clean)
+    at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
+    runs = _cached(("runs", fn, metric, at), lambda: jax.jit(_runs(fn, metric, at)))
+    (clean_metric, clean_values), corrupted_run = runs(clean, corrupted)
     keys = _sites(sites, clean_values)
     clean_values = {k: clean_values[k] for k in keys}
-    corrupted_metric = None
+    clean_metric, corrupted_metric = float(clean_metric), None
     if corrupted is not None:
-        corrupted_out, corrupted_values = pull(fn, at=at)(*corrupted)
+        corrupted_metric, corrupted_values = corrupted_run
         _same_shapes(keys, clean_values, corrupted_values)
-        corrupted_metric = float(_metric(metric, corrupted_out))
-    clean_metric = float(_metric(metric, clean_out))
+        corrupted_metric = float(corrupted_metric)
     sizes = {k: _axis_sizes(k, clean_values[k], axes) for k in keys}
 
     if mode == "denoising":
@@ -136,8 +139,44 @@ def sweep(
         mode=mode,
         method=method,
         locations={k: getattr(k, "location", "") for k in keys},
-        memory=memory,
+        lowered=memory,
     )
+
+
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_KEEP = 8  # the compiled programs kept, the most recently used
+
+
+def _cached(key, make):
+    """A jitted program shared by the sweeps of one function, metric, sites and axes (the last
+    `_KEEP` of them): a sweep over new inputs of the same shapes compiles nothing."""
+    try:
+        program = _PROGRAMS.pop(key)
+    except TypeError:  # something in the key does not hash: this sweep's own
+        return make()
+    except KeyError:
+        program = make()
+    _PROGRAMS[key] = program
+    while len(_PROGRAMS) > _KEEP:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+def _runs(fn, metric, at):
+    """`(clean, corrupted) -> ((metric, values), (metric, values) or None)`: the two runs."""
+    pulled = pull(fn, at=at)
+
+    def runs(clean, corrupted):
+        results = []
+        for args in (clean, corrupted):
+            if args is None:
+                results.append(None)
+                continue
+            out, values = pulled(*args)
+            results.append((_metric(metric, out), values))
+        return tuple(results)
+
+    return runs
 
 
 def _arguments(args, which: str) -> tuple:
@@ -244,6 +283,33 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding
     site_ids = np.array([s for s, _ in patches], np.int32)
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
+    key = ("exact", fn, metric, at, tuple(keys), tuple(axes.items()), tuple(sizes.items()))
+    run = _cached(key, lambda: _patch_program(fn, metric, at, keys, axes, sizes))
+    results, memory = [], None
+    starts = range(0, len(patches), chunk)
+    for start in _progress(starts, progress, len(patches)):
+        stop = min(start + chunk, len(patches))
+        pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
+        s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
+        i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
+        if sharding is not None:  # the chunk's patches split over devices
+            s, i = jax.device_put((s, i), sharding)
+        chunk_values = run(s, i, base, source)
+        results.append(np.asarray(chunk_values)[: stop - start])
+        if memory is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
+            memory = functools.partial(run.lower, s, i, base, source)
+    values = np.concatenate(results)
+    out, at_ = {}, 0
+    for key in keys:
+        n = math.prod(sizes[key])
+        out[key] = values[at_ : at_ + n].reshape(sizes[key])
+        at_ += n
+    return out, memory
+
+
+def _patch_program(fn, metric, at, keys, axes, sizes):
+    """The compiled program of a chunk: `(sites, indices, base, source) -> metrics`, every
+    site planted with a `Switch` on where the patch is its own."""
     planted = plant(fn, at=at)
 
     def one(site, flat_index, base, source):
@@ -258,26 +324,7 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding
     def run(sites, indices, base, source):
         return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
 
-    results, memory = [], None
-    starts = range(0, len(patches), chunk)
-    for start in _progress(starts, progress, len(patches)):
-        stop = min(start + chunk, len(patches))
-        pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
-        s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
-        i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
-        if sharding is not None:  # the chunk's patches split over devices
-            s, i = jax.device_put((s, i), sharding)
-        chunk_values = run(s, i, base, source)
-        results.append(np.asarray(chunk_values)[: stop - start])
-        if memory is None:  # what one chunk's program holds (the compilation is cached)
-            memory = run.lower(s, i, base, source).compile().memory_analysis()
-    values = np.concatenate(results)
-    out, at_ = {}, 0
-    for key in keys:
-        n = math.prod(sizes[key])
-        out[key] = values[at_ : at_ + n].reshape(sizes[key])
-        at_ += n
-    return out, memory
+    return run
 
 
 def _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes):
@@ -285,7 +332,7 @@ def _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes):
         return _metric(metric, fn(*args))
 
     def first_order(base, base_values, source):
-        baseline, grads = grad_inters(loss, at=at)(*base)  # (compiled where it is traced)
+        baseline, grads = grad_inters(loss, at=at)(*base)
         out = {}
         for key in keys:
             total = 0.0
@@ -300,7 +347,9 @@ def _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes):
             out[key] = baseline + total
         return out
 
-    values = first_order(base, {k: base_values[k] for k in keys}, source)
+    key = ("attribution", fn, metric, at, tuple(keys), tuple(axes.items()))
+    program = _cached(key, lambda: jax.jit(first_order))
+    values = program(base, {k: base_values[k] for k in keys}, source)
     return {key: np.asarray(values[key]).reshape(sizes[key]) for key in keys}
 
 
