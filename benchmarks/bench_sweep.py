@@ -142,6 +142,59 @@ def main():
     )
     print(f"attribution against exact, correlation {exact.correlation(sweep('attribution')):.3f}")
 
+    # Steady state: the next prompt pair, of the same shapes, through programs compiled before
+    # (the sweep keeps them; the loop keeps its jitted functions, one per layer).
+    fn = fresh()
+    cached_loop = {
+        f"resid_{layer}": jax.jit(
+            lambda value, key=f"resid_{layer}": jnp.mean(
+                metric(stx.plant(fn)({key: value}, params, corrupted))
+            )
+        )
+        for layer in range(LAYERS)
+    }
+
+    def loop_again():
+        _, clean_acts = stx.pull(jax.jit(fn))(params, clean)
+        _, base_acts = stx.pull(jax.jit(fn))(params, corrupted)
+        for key, run in cached_loop.items():
+            for t in range(POSITIONS):
+                float(run(base_acts[key].at[:, t].set(clean_acts[key][:, t])))
+
+    def sweep_again(method="exact"):
+        stx.sweep(
+            fn,
+            metric,
+            (params, clean),
+            (params, corrupted),
+            axes={"position": 1},
+            method=method,
+            progress=False,
+        )
+
+    steady = {
+        "loop": loop_again,
+        "sweep": sweep_again,
+        "attribution": lambda: sweep_again("attribution"),
+    }
+    for run in steady.values():
+        run()  # compile
+    again = {name: [] for name in steady}
+    for r in range(2 * REPEATS + 1):
+        for name in list(steady)[r % 3 :] + list(steady)[: r % 3]:
+            start = time.perf_counter()
+            steady[name]()
+            again[name].append(time.perf_counter() - start)
+    a = {name: statistics.median(v) for name, v in again.items()}
+    print(
+        f"{'steady state: loop / sweep':<44} {a['loop'] / a['sweep']:7.2f}x  "
+        f"            {a['loop'] * 1e3:.0f} ms vs {a['sweep'] * 1e3:.0f} ms"
+    )
+    print(
+        f"{'steady state: exact sweep / attribution':<44} {a['sweep'] / a['attribution']:7.2f}x  "
+        f"            {a['sweep'] * 1e3:.0f} ms vs {a['attribution'] * 1e3:.0f} ms"
+    )
+
     def loop_of_hooks():  # as a loop over hooks is written: each call traced and compiled
         fn = fresh()
         _, clean_acts = stx.pull(fn)(params, clean)

@@ -460,6 +460,26 @@ def test_a_second_sweep_over_new_inputs_compiles_nothing():
     assert stats.temp_size_in_bytes >= 0 and stats.argument_size_in_bytes > 0
 
 
+def test_sites_come_in_program_order_past_ten():
+    """Twelve sites: `resid_10` comes after `resid_9`, not after `resid_1` (as a dict's keys
+    sorted would put it)."""
+
+    def model(x):
+        for i in range(12):
+            x = stx.save_inter(jnp.tanh(x * 0.9 + i / 10), name="resid")
+        return jnp.sum(x, axis=-1)
+
+    clean, corrupted = jnp.ones((2, 3)), jnp.zeros((2, 3))
+    result = stx.sweep(model, lambda out: out, (clean,), (corrupted,), axes={"feature": 1})
+    assert list(result.sites) == [f"resid_{i}" for i in range(12)]
+    base, source = sources("denoising", model, None, (clean,), (corrupted,), ["resid_2"])
+    want = loop_of_plants(model, lambda out: out, None, base, source, ["resid_2"], {"feature": 1})
+    np.testing.assert_allclose(result["resid_2"], want["resid_2"], rtol=1e-5)
+    assert result.locations["resid_2"].endswith(
+        f"test_sweep.py:{model.__code__.co_firstlineno + 2}"
+    )
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ Attribution patching reads the gradient of the metric at each site from one back
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -102,45 +103,50 @@ def sweep(
     axes = dict(axes or {})
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
-    runs = _cached(("runs", fn, metric, at), lambda: jax.jit(_runs(fn, metric, at)))
-    (clean_metric, clean_values), corrupted_run = runs(clean, corrupted)
+    runs = _cached(("runs", fn, metric, at), lambda: _Runs(fn, metric, at))
+    clean_values, corrupted_values = runs.shapes(clean, corrupted)  # (traced, not run)
     keys = _sites(sites, clean_values)
-    clean_values = {k: clean_values[k] for k in keys}
-    clean_metric, corrupted_metric = float(clean_metric), None
     if corrupted is not None:
-        corrupted_metric, corrupted_values = corrupted_run
         _same_shapes(keys, clean_values, corrupted_values)
-        corrupted_metric = float(corrupted_metric)
     sizes = {k: _axis_sizes(k, clean_values[k], axes) for k in keys}
+    plan = _Plan(mode, examples, seed, tuple(keys), tuple(axes.items()), tuple(sizes.items()))
 
-    if mode == "denoising":
-        base, base_values, source = corrupted, corrupted_values, clean_values
-    elif mode == "noising":
-        base, base_values, source = clean, clean_values, {k: corrupted_values[k] for k in keys}
-    else:
-        base, base_values = clean, clean_values
-        source = _ablation(mode, clean_values, examples, seed)
-    baseline = corrupted_metric if base is corrupted else clean_metric
-
-    memory = None
+    lowered = None
     if method == "attribution":
-        values = _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes)
+        program = _cached(("attribution", runs, plan), lambda: _attribution(runs, plan))
+        values, clean_metric, corrupted_metric = program(clean, corrupted)
+        values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
-        values, memory = _exact(
-            fn, metric, at, base, keys, source, axes, sizes, batch_size, patch_sharding, progress
+        program = _cached(("exact", runs, plan), lambda: _patch_program(runs, plan))
+        values, clean_metric, corrupted_metric, lowered = _exact(
+            program, plan, clean, corrupted, batch_size, patch_sharding, progress
         )
+    clean_metric = float(clean_metric)
+    corrupted_metric = None if corrupted is None else float(corrupted_metric)
     return SweepResult(
         sites=keys,
         axes=tuple(axes),
         values=values,
-        baseline=baseline,
+        baseline=corrupted_metric if mode == "denoising" else clean_metric,
         clean=clean_metric,
         corrupted=corrupted_metric,
         mode=mode,
         method=method,
         locations={k: getattr(k, "location", "") for k in keys},
-        lowered=memory,
+        lowered=lowered,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a sweep patches: hashable, part of the key of its compiled programs."""
+
+    mode: str
+    examples: int
+    seed: int
+    keys: tuple
+    axes: tuple  # ((name, axis), ...)
+    sizes: tuple  # ((key, (size per axis, ...)), ...)
 
 
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
@@ -162,21 +168,55 @@ def _cached(key, make):
     return program
 
 
-def _runs(fn, metric, at):
-    """`(clean, corrupted) -> ((metric, values), (metric, values) or None)`: the two runs."""
-    pulled = pull(fn, at=at)
+class _Runs:
+    """The clean and corrupted runs: `runs(clean, corrupted) -> ((metric, values), (metric,
+    values) or None)`, traced inside each program of a sweep, and `shapes` of them without
+    running anything. A dict leaves `jax.eval_shape` in sorted order: `order` keeps `pull`'s
+    (program order), and its keys (which know where they were saved), from the trace."""
 
-    def runs(clean, corrupted):
+    def __init__(self, fn, metric, at):
+        self.fn, self.at = fn, at
+        self.pulled, self.metric, self.order = pull(fn, at=at), metric, []
+        self.traced: dict = {}  # the inputs' shapes -> the values' shapes
+
+    def runs(self, clean, corrupted):
         results = []
         for args in (clean, corrupted):
             if args is None:
                 results.append(None)
                 continue
-            out, values = pulled(*args)
-            results.append((_metric(metric, out), values))
+            out, values = self.pulled(*args)
+            self.order[:] = list(values)
+            results.append((_metric(self.metric, out), values))
         return tuple(results)
 
-    return runs
+    def shapes(self, clean, corrupted):
+        """The values' shapes of each run (`None` for no corrupted run), in program order;
+        traced once per structure, shapes and dtypes of the inputs."""
+        leaves, treedef = jax.tree_util.tree_flatten((clean, corrupted))
+        key = (treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in self.traced:
+            shaped = jax.eval_shape(self.runs, clean, corrupted)
+            self.traced[key] = tuple(
+                None if r is None else {k: r[1][k] for k in self.order} for r in shaped
+            )
+        return self.traced[key]
+
+    def prepared(self, plan: _Plan, clean, corrupted):
+        """Inside a program: the base run's arguments and values, each site's source, and the
+        metric of each run, as `plan.mode` says."""
+        (clean_metric, clean_values), corrupted_run = self.runs(clean, corrupted)
+        corrupted_metric, corrupted_values = corrupted_run or (None, None)
+        keys = plan.keys
+        if plan.mode == "denoising":
+            base, base_values, source = corrupted, corrupted_values, clean_values
+        elif plan.mode == "noising":
+            base, base_values, source = clean, clean_values, corrupted_values
+        else:
+            base, base_values = clean, clean_values
+            source = _ablation(plan.mode, clean_values, plan.examples, plan.seed)
+        pick = lambda values: {k: values[k] for k in keys}  # noqa: E731
+        return base, pick(base_values), pick(source), clean_metric, corrupted_metric
 
 
 def _arguments(args, which: str) -> tuple:
@@ -213,7 +253,7 @@ def _same_shapes(keys, clean: dict, corrupted: dict) -> None:
                 f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) ran in the "
                 "clean run but not in the corrupted one. Patch sites that run in both."
             )
-        shapes = [[jnp.shape(x) for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
+        shapes = [[x.shape for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
         if shapes[0] != shapes[1]:
             raise SweepError(
                 f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has shape "
@@ -278,14 +318,13 @@ def _mask(leaf, axes: dict, index) -> jax.Array:
     return mask
 
 
-def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding, progress):
-    patches = [(s, i) for s, key in enumerate(keys) for i in range(math.prod(sizes[key]))]
+def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
+    sizes = dict(plan.sizes)
+    patches = [(s, i) for s, key in enumerate(plan.keys) for i in range(math.prod(sizes[key]))]
     site_ids = np.array([s for s, _ in patches], np.int32)
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
-    key = ("exact", fn, metric, at, tuple(keys), tuple(axes.items()), tuple(sizes.items()))
-    run = _cached(key, lambda: _patch_program(fn, metric, at, keys, axes, sizes))
-    results, memory = [], None
+    results, lowered = [], None
     starts = range(0, len(patches), chunk)
     for start in _progress(starts, progress, len(patches)):
         stop = min(start + chunk, len(patches))
@@ -294,63 +333,72 @@ def _exact(fn, metric, at, base, keys, source, axes, sizes, batch_size, sharding
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        chunk_values = run(s, i, base, source)
+        chunk_values, clean_metric, corrupted_metric = program(s, i, clean, corrupted)
         results.append(np.asarray(chunk_values)[: stop - start])
-        if memory is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
-            memory = functools.partial(run.lower, s, i, base, source)
+        if lowered is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
+            lowered = functools.partial(program.lower, s, i, clean, corrupted)
     values = np.concatenate(results)
-    out, at_ = {}, 0
-    for key in keys:
+    out, at = {}, 0
+    for key in plan.keys:
         n = math.prod(sizes[key])
-        out[key] = values[at_ : at_ + n].reshape(sizes[key])
-        at_ += n
-    return out, memory
+        out[key] = values[at : at + n].reshape(sizes[key])
+        at += n
+    return out, clean_metric, corrupted_metric, lowered
 
 
-def _patch_program(fn, metric, at, keys, axes, sizes):
-    """The compiled program of a chunk: `(sites, indices, base, source) -> metrics`, every
-    site planted with a `Switch` on where the patch is its own."""
-    planted = plant(fn, at=at)
+def _patch_program(runs: _Runs, plan: _Plan):
+    """The compiled program of a chunk: `(sites, indices, clean, corrupted) -> (metrics, clean
+    metric, corrupted metric)`. The two runs are computed once per chunk (nothing in them
+    depends on the patch); every site is planted with a `Switch`, on where the patch is its
+    own."""
+    planted = plant(runs.fn, at=runs.at)
+    axes, sizes = dict(plan.axes), dict(plan.sizes)
 
     def one(site, flat_index, base, source):
         values = {}
-        for s, key in enumerate(keys):
+        for s, key in enumerate(plan.keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
             masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), source[key])
             values[key] = Switch(site == s, masks, source[key])
-        return _metric(metric, planted(values, *base))
+        return _metric(runs.metric, planted(values, *base))
 
     @jax.jit
-    def run(sites, indices, base, source):
-        return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
+    def run(sites, indices, clean, corrupted):
+        base, _, source, clean_metric, corrupted_metric = runs.prepared(plan, clean, corrupted)
+        metrics = jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
+        return metrics, clean_metric, corrupted_metric
 
     return run
 
 
-def _attribution(fn, metric, at, base, base_values, keys, source, axes, sizes):
-    def loss(*args):
-        return _metric(metric, fn(*args))
+def _attribution(runs: _Runs, plan: _Plan):
+    """The compiled program of an attribution sweep: `(clean, corrupted) -> ({key: metric at
+    each index}, clean metric, corrupted metric)`, from one backward pass at the base run."""
+    axes = dict(plan.axes)
 
-    def first_order(base, base_values, source):
-        baseline, grads = grad_inters(loss, at=at)(*base)
+    def loss(*args):
+        return _metric(runs.metric, runs.fn(*args))
+
+    @jax.jit
+    def first_order(clean, corrupted):
+        base, base_values, source, clean_metric, corrupted_metric = runs.prepared(
+            plan, clean, corrupted
+        )
+        baseline, grads = grad_inters(loss, at=runs.at)(*base)
         out = {}
-        for key in keys:
+        for key in plan.keys:
             total = 0.0
-            for src, v, g in zip(
-                *map(jax.tree.leaves, (source[key], base_values[key], grads[key]))
-            ):
+            leaves = map(jax.tree.leaves, (source[key], base_values[key], grads[key]))
+            for src, v, g in zip(*leaves):
                 term = (src - v) * g
                 kept = [a % term.ndim for a in axes.values()]
                 summed = jnp.sum(term, axis=tuple(a for a in range(term.ndim) if a not in kept))
                 order = sorted(kept)  # what the sum leaves, in the order of `axes`
                 total = total + jnp.transpose(summed, [order.index(a) for a in kept])
             out[key] = baseline + total
-        return out
+        return out, clean_metric, corrupted_metric
 
-    key = ("attribution", fn, metric, at, tuple(keys), tuple(axes.items()))
-    program = _cached(key, lambda: jax.jit(first_order))
-    values = program(base, {k: base_values[k] for k in keys}, source)
-    return {key: np.asarray(values[key]).reshape(sizes[key]) for key in keys}
+    return first_order
 
 
 def _progress(items, progress, total):
