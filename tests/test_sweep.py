@@ -516,6 +516,20 @@ def test_bad_input_is_an_error_that_says_what_and_where(small):
     with pytest.raises(stx.SweepError, match=r"the sites \['rare'\] did not run"):
         stx.sweep(branchy, identity, args, mode="zero", sites=["h", "rare"])
 
+    def conditional(x, ws):  # a lax.cond whose branch with the mark is not taken
+        h = stx.save_inter(x * 2, name="h")
+        h = jax.lax.cond(
+            jnp.sum(x) > 1e6, lambda h: stx.save_inter(h + 1, name="rare"), lambda h: h, h
+        )
+        return jnp.sum(h, axis=(-2, -1))
+
+    with pytest.raises(
+        stx.SweepError, match=r"the sites 'rare_0' \(saved at .*test_sweep.py:\d+\) did not run"
+    ):
+        stx.sweep(conditional, identity, args, mode="zero")
+    ok = stx.sweep(conditional, identity, args, mode="zero", sites=["h"])
+    assert list(ok.sites) == ["h_0"]
+
 
 def test_sharded_inputs_and_patches_sharded_over_devices(small):
     from jax.sharding import Mesh, NamedSharding

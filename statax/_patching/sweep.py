@@ -114,7 +114,8 @@ def sweep(
     lowered = None
     if method == "attribution":
         program = _cached(("attribution", runs, plan), lambda: _attribution(runs, plan))
-        values, clean_metric, corrupted_metric = program(clean, corrupted)
+        values, (clean_metric, corrupted_metric, ran) = program(clean, corrupted)
+        _check_ran(ran)
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
         program = _cached(("exact", runs, plan), lambda: _patch_program(runs, plan))
@@ -176,18 +177,23 @@ class _Runs:
 
     def __init__(self, fn, metric, at):
         self.fn, self.at = fn, at
-        self.pulled, self.metric, self.order = pull(fn, at=at), metric, []
+        # `ran=True`: a site in a branch not taken is there under a trace (zeros), its flag
+        # says it did not run.
+        self.pulled, self.metric, self.order = pull(fn, at=at, ran=True), metric, [[], []]
         self.traced: dict = {}  # the inputs' shapes -> the values' shapes
 
     def runs(self, clean, corrupted):
+        """`((metric, values, ran), ...)`: `ran`, whether each site that may not have run ran."""
         results = []
-        for args in (clean, corrupted):
+        for order, args in zip(self.order, (clean, corrupted)):
             if args is None:
                 results.append(None)
                 continue
             out, values = self.pulled(*args)
-            self.order[:] = list(values)
-            results.append((_metric(self.metric, out), values))
+            ran = {k[: -len(".ran")]: v for k, v in values.items() if k.endswith(".ran")}
+            values = {k: v for k, v in values.items() if not k.endswith(".ran")}
+            order[:] = list(values)
+            results.append((_metric(self.metric, out), values, ran))
         return tuple(results)
 
     def shapes(self, clean, corrupted):
@@ -198,16 +204,22 @@ class _Runs:
         if key not in self.traced:
             shaped = jax.eval_shape(self.runs, clean, corrupted)
             self.traced[key] = tuple(
-                None if r is None else {k: r[1][k] for k in self.order} for r in shaped
+                None if r is None else {k: r[1][k] for k in order}
+                for order, r in zip(self.order, shaped)
             )
         return self.traced[key]
 
     def prepared(self, plan: _Plan, clean, corrupted):
         """Inside a program: the base run's arguments and values, each site's source, and the
         metric of each run, as `plan.mode` says."""
-        (clean_metric, clean_values), corrupted_run = self.runs(clean, corrupted)
-        corrupted_metric, corrupted_values = corrupted_run or (None, None)
+        (clean_metric, clean_values, clean_ran), corrupted_run = self.runs(clean, corrupted)
+        corrupted_metric, corrupted_values, corrupted_ran = corrupted_run or (None, None, {})
         keys = plan.keys
+        ran = {
+            k: jnp.all(jnp.stack([r[k] for r in (clean_ran, corrupted_ran) if k in r]))
+            for k in keys
+            if k in clean_ran or k in corrupted_ran
+        }
         if plan.mode == "denoising":
             base, base_values, source = corrupted, corrupted_values, clean_values
         elif plan.mode == "noising":
@@ -216,7 +228,19 @@ class _Runs:
             base, base_values = clean, clean_values
             source = _ablation(plan.mode, clean_values, plan.examples, plan.seed)
         pick = lambda values: {k: values[k] for k in keys}  # noqa: E731
-        return base, pick(base_values), pick(source), clean_metric, corrupted_metric
+        metrics = (clean_metric, corrupted_metric, ran)
+        return base, pick(base_values), pick(source), metrics
+
+
+def _check_ran(ran: dict) -> None:
+    """A site in a branch not taken (in either run) is an error, as one that never ran."""
+    missing = [k for k, flag in ran.items() if not bool(np.all(flag))]
+    if missing:
+        where = ", ".join(f"{k!r} (saved at {getattr(k, 'location', '?')})" for k in missing)
+        raise SweepError(
+            f"stx.sweep: the sites {where} did not run in the clean or the corrupted run (a "
+            "branch not taken): patching them changes nothing. Leave them out with sites=."
+        )
 
 
 def _arguments(args, which: str) -> tuple:
@@ -333,7 +357,9 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        chunk_values, clean_metric, corrupted_metric = program(s, i, clean, corrupted)
+        chunk_values, metrics = program(s, i, clean, corrupted)
+        if not results:
+            _check_ran(metrics[2])
         results.append(np.asarray(chunk_values)[: stop - start])
         if lowered is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
             lowered = functools.partial(program.lower, s, i, clean, corrupted)
@@ -343,7 +369,7 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
         n = math.prod(sizes[key])
         out[key] = values[at : at + n].reshape(sizes[key])
         at += n
-    return out, clean_metric, corrupted_metric, lowered
+    return out, metrics[0], metrics[1], lowered
 
 
 def _patch_program(runs: _Runs, plan: _Plan):
@@ -364,9 +390,8 @@ def _patch_program(runs: _Runs, plan: _Plan):
 
     @jax.jit
     def run(sites, indices, clean, corrupted):
-        base, _, source, clean_metric, corrupted_metric = runs.prepared(plan, clean, corrupted)
-        metrics = jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source)
-        return metrics, clean_metric, corrupted_metric
+        base, _, source, metrics = runs.prepared(plan, clean, corrupted)
+        return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source), metrics
 
     return run
 
@@ -381,9 +406,7 @@ def _attribution(runs: _Runs, plan: _Plan):
 
     @jax.jit
     def first_order(clean, corrupted):
-        base, base_values, source, clean_metric, corrupted_metric = runs.prepared(
-            plan, clean, corrupted
-        )
+        base, base_values, source, metrics = runs.prepared(plan, clean, corrupted)
         baseline, grads = grad_inters(loss, at=runs.at)(*base)
         out = {}
         for key in plan.keys:
@@ -396,7 +419,7 @@ def _attribution(runs: _Runs, plan: _Plan):
                 order = sorted(kept)  # what the sum leaves, in the order of `axes`
                 total = total + jnp.transpose(summed, [order.index(a) for a in kept])
             out[key] = baseline + total
-        return out, clean_metric, corrupted_metric
+        return out, metrics
 
     return first_order
 
