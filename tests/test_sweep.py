@@ -284,7 +284,10 @@ def test_equinox_transformer_every_mode(mode):
     check_against_loop(run, lambda out: out, (clean,), (corrupted,), at, {"position": 1}, mode)
 
 
-@pytest.mark.parametrize("mode", ["denoising", pytest.param("zero", marks=pytest.mark.exhaustive)])
+AT_SIZE = [pytest.param(m, marks=pytest.mark.exhaustive) for m in MODES[1:]]
+
+
+@pytest.mark.parametrize("mode", ["denoising", *AT_SIZE])
 def test_flax_nnx_model(mode):
     from flax import nnx
 
@@ -311,7 +314,7 @@ def test_flax_nnx_model(mode):
     check_against_loop(net, lambda out: out, (clean,), (corrupted,), at, {"position": 1}, mode)
 
 
-@pytest.mark.parametrize("mode", ["denoising", pytest.param("mean", marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("mode", ["denoising", *AT_SIZE])
 def test_penzai_model(mode):
     from penzai import pz
     from penzai.models.transformer.variants import llamalike_common
@@ -337,6 +340,28 @@ def test_penzai_model(mode):
     corrupted = (lm, IOI_CORRUPTED)
     # A block's value is a NamedArray over (batch, seq, embedding): positions are axis 1.
     check_against_loop(run, logit_difference, clean, corrupted, at, {"position": 1}, mode)
+
+
+@pytest.mark.parametrize("mode", ["noising", *AT_SIZE])
+def test_flax_linen_model(mode):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # (examples, positions, features)
+            for _ in range(3):
+                x = x + jnp.tanh(nn.Dense(5)(jnp.cumsum(x, axis=1)))
+            return jnp.sum(x[:, -1], axis=-1)
+
+    net = Net()
+    rng = np.random.default_rng(3)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 4, 5)), jnp.float32) for _ in range(2))
+    params = net.init(jax.random.PRNGKey(0), clean)
+    at = stx.scopes("Net/Dense_*")  # each Dense layer's output, by its Linen scope
+    result = check_against_loop(
+        net.apply, lambda out: out, (params, clean), (params, corrupted), at, {"position": 1}, mode
+    )
+    assert list(result.sites) == [f"Net/Dense_{i}_0" for i in range(3)]
 
 
 # ---- attribution patching against the first-order term by hand ---------------------------------
