@@ -458,6 +458,43 @@ def test_progress_and_batch_sizes_give_the_same_result(small, capsys):
     assert "patching" in capsys.readouterr().err
 
 
+def test_each_site_with_axes_of_its_own():
+    """Blocks by position, and a per-head value by position and head, in one sweep: each
+    against the loop of plants with its own axes."""
+
+    def model(x):  # (examples, positions, features)
+        h = stx.save_inter(jnp.tanh(jnp.cumsum(x, axis=1)), name="block")
+        heads = stx.save_inter(h.reshape(*h.shape[:2], 2, -1) * 1.5, name="heads")
+        h = h + jnp.tanh(heads.reshape(h.shape))
+        return jnp.sum(h[:, -1], axis=-1)
+
+    rng = np.random.default_rng(4)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32) for _ in range(2))
+    axes = {"block": {"position": 1}, "heads": {"position": 1, "head": 2}}
+    result = stx.sweep(model, lambda out: out, (clean,), (corrupted,), axes=axes)
+    assert result.axes == {"block_0": ("position",), "heads_0": ("position", "head")}
+    assert result["block_0"].shape == (3,) and result["heads_0"].shape == (3, 2)
+    base, source = sources("denoising", model, None, (clean,), (corrupted,), result.sites)
+    for key, site_axes in (("block_0", axes["block"]), ("heads_0", axes["heads"])):
+        want = loop_of_plants(model, lambda out: out, None, base, source, [key], site_axes)
+        np.testing.assert_allclose(result[key], want[key], rtol=1e-5, atol=1e-6)
+    attribution = stx.sweep(
+        model, lambda out: out, (clean,), (corrupted,), axes=axes, method="attribution"
+    )
+    assert attribution["heads_0"].shape == (3, 2)
+    frame = result.to_dataframe()
+    assert list(frame.columns) == ["site", "position", "metric", "head"]
+    assert frame["head"].isna().sum() == 3  # the block's rows have no head
+    with pytest.raises(stx.SweepError, match="mixes the two"):
+        stx.sweep(
+            model,
+            lambda out: out,
+            (clean,),
+            (corrupted,),
+            axes={"block": {"position": 1}, "head": 2},
+        )
+
+
 def test_a_second_sweep_over_new_inputs_compiles_nothing():
     traced = []
 

@@ -22,14 +22,15 @@ class SweepResult:
     """The metric for every site and index of a sweep.
 
     `values[site]` has one axis per name in `axes` (sized as the site's value is along it),
-    or none where each site was patched whole. `baseline` is the metric of the run patched
+    or none where each site was patched whole; `axes` is `{site: names}` where the sites
+    were given axes of their own. `baseline` is the metric of the run patched
     into (the corrupted run when denoising, the clean run otherwise), `clean` and `corrupted`
     the metric of each run. `method` is `"exact"` or `"attribution"` (the first-order
     estimate of each patch). `memory_analysis()` says what the compiled program of one chunk
     of patches holds (its temporaries grow with `batch_size`), for an exact sweep."""
 
     sites: list
-    axes: tuple
+    axes: tuple | dict
     values: dict
     baseline: float
     clean: float
@@ -47,6 +48,10 @@ class SweepResult:
 
     def __getitem__(self, site: str) -> np.ndarray:
         return self.values[site]
+
+    def names(self, site: str) -> tuple:
+        """The names of a site's axes."""
+        return tuple(self.axes[site]) if isinstance(self.axes, dict) else tuple(self.axes)
 
     def array(self) -> np.ndarray:
         """Every site's values stacked, `(sites, *axes)`: sites of one shape only."""
@@ -75,7 +80,11 @@ class SweepResult:
             value = self.values[site]
             for index in itertools.product(*map(range, value.shape)):
                 rows.append(
-                    {"site": str(site), **dict(zip(self.axes, index)), "metric": value[index]}
+                    {
+                        "site": str(site),
+                        **dict(zip(self.names(site), index)),
+                        "metric": value[index],
+                    }
                 )
         return pd.DataFrame(rows)
 
@@ -109,7 +118,8 @@ class SweepResult:
         image.set_clim(self.baseline - limit, self.baseline + limit)
         ax.set_yticks(range(len(names)), [n[cut:] for n in names])
         ax.set_ylabel(names[0][:cut] if cut else "site")
-        ax.set_xlabel(self.axes[0] if self.axes else "")
+        names = self.names(self.sites[0])
+        ax.set_xlabel(names[0] if names else "")
         ax.set_title(title or f"{self.mode} ({self.method}): metric after each patch")
         fig.colorbar(image, ax=ax, label="metric")
         fig.tight_layout()

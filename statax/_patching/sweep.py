@@ -40,7 +40,7 @@ def sweep(
     *,
     at: Any = None,
     sites: Sequence[str] | None = None,
-    axes: Mapping[str, int] | None = None,
+    axes: Mapping[str, int] | Mapping[str, Mapping[str, int]] | None = None,
     mode: str = "denoising",
     method: str = "exact",
     examples: int = 0,
@@ -67,7 +67,10 @@ def sweep(
             default every key `pull(fn, at=at)` returns.
         axes: the axes patched one index at a time, by name: `{"position": 1}` patches each
             position of every site (axis 1 of its value, the examples' axis 0 included);
-            several axes patch every combination. None patches each site whole.
+            several axes patch every combination. None patches each site whole. For sites with
+            different axes, a mapping of sites (keys or names) to such mappings:
+            `{"resid": {"position": 1}, "attn": {"position": 1, "head": 2}}`; a site not in it
+            is patched whole.
         mode: where the source comes from, and which run it goes into:
             `"denoising"`: the clean run's value into the corrupted run;
             `"noising"`: the corrupted run's value into the clean run;
@@ -101,6 +104,7 @@ def sweep(
         raise SweepError(f"stx.sweep(mode={mode!r}) patches between two runs: pass corrupted=.")
     corrupted = None if corrupted is None else _arguments(corrupted, "corrupted")
     axes = dict(axes or {})
+    per_site = any(isinstance(v, Mapping) for v in axes.values())
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
     runs = _cached(("runs", fn, metric, at), lambda: _Runs(fn, metric, at))
@@ -108,8 +112,16 @@ def sweep(
     keys = _sites(sites, clean_values)
     if corrupted is not None:
         _same_shapes(keys, clean_values, corrupted_values)
-    sizes = {k: _axis_sizes(k, clean_values[k], axes) for k in keys}
-    plan = _Plan(mode, examples, seed, tuple(keys), tuple(axes.items()), tuple(sizes.items()))
+    site_axes = {k: _axes_of(k, axes, per_site) for k in keys}
+    sizes = {k: _axis_sizes(k, clean_values[k], site_axes[k]) for k in keys}
+    plan = _Plan(
+        mode,
+        examples,
+        seed,
+        tuple(keys),
+        tuple((k, tuple(a.items())) for k, a in site_axes.items()),
+        tuple(sizes.items()),
+    )
 
     lowered = None
     if method == "attribution":
@@ -126,7 +138,7 @@ def sweep(
     corrupted_metric = None if corrupted is None else float(corrupted_metric)
     return SweepResult(
         sites=keys,
-        axes=tuple(axes),
+        axes={k: tuple(a) for k, a in site_axes.items()} if per_site else tuple(axes),
         values=values,
         baseline=corrupted_metric if mode == "denoising" else clean_metric,
         clean=clean_metric,
@@ -146,7 +158,7 @@ class _Plan:
     examples: int
     seed: int
     keys: tuple
-    axes: tuple  # ((name, axis), ...)
+    axes: tuple  # ((key, ((name, axis), ...)), ...): each site's
     sizes: tuple  # ((key, (size per axis, ...)), ...)
 
 
@@ -297,6 +309,19 @@ def _metric(metric, out) -> jax.Array:
     return jnp.mean(value)
 
 
+def _axes_of(key, axes: dict, per_site: bool) -> dict:
+    """A site's axes: the sweep's, or its own (by key, then by name) where they are per site."""
+    if not per_site:
+        return axes
+    if not all(isinstance(v, Mapping) for v in axes.values()):
+        raise SweepError(
+            "stx.sweep: axes= is either {name: axis} for every site, or {site: {name: axis}} "
+            f"for each; it mixes the two: {axes}."
+        )
+    name = key.rsplit("_", 1)[0]
+    return dict(axes.get(key, axes.get(name, {})))
+
+
 def _axis_sizes(key, value, axes: dict) -> tuple[int, ...]:
     leaves = jax.tree.leaves(value)
     sizes = []
@@ -378,13 +403,15 @@ def _patch_program(runs: _Runs, plan: _Plan):
     depends on the patch); every site is planted with a `Switch`, on where the patch is its
     own."""
     planted = plant(runs.fn, at=runs.at)
-    axes, sizes = dict(plan.axes), dict(plan.sizes)
+    axes = {k: dict(a) for k, a in plan.axes}
+    sizes = dict(plan.sizes)
 
     def one(site, flat_index, base, source):
         values = {}
         for s, key in enumerate(plan.keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-            masks = jax.tree.map(lambda leaf: _mask(leaf, axes, index), source[key])
+            site_axes = axes[key]
+            masks = jax.tree.map(lambda leaf: _mask(leaf, site_axes, index), source[key])
             values[key] = Switch(site == s, masks, source[key])
         return _metric(runs.metric, planted(values, *base))
 
@@ -399,7 +426,7 @@ def _patch_program(runs: _Runs, plan: _Plan):
 def _attribution(runs: _Runs, plan: _Plan):
     """The compiled program of an attribution sweep: `(clean, corrupted) -> ({key: metric at
     each index}, clean metric, corrupted metric)`, from one backward pass at the base run."""
-    axes = dict(plan.axes)
+    axes = {k: dict(a) for k, a in plan.axes}
 
     def loss(*args):
         return _metric(runs.metric, runs.fn(*args))
@@ -414,7 +441,7 @@ def _attribution(runs: _Runs, plan: _Plan):
             leaves = map(jax.tree.leaves, (source[key], base_values[key], grads[key]))
             for src, v, g in zip(*leaves):
                 term = (src - v) * g
-                kept = [a % term.ndim for a in axes.values()]
+                kept = [a % term.ndim for a in axes[key].values()]
                 summed = jnp.sum(term, axis=tuple(a for a in range(term.ndim) if a not in kept))
                 order = sorted(kept)  # what the sum leaves, in the order of `axes`
                 total = total + jnp.transpose(summed, [order.index(a) for a in kept])
