@@ -35,3 +35,17 @@ def report(label, goal, ratio, cand, base, unit="ms", scale=1e3):
         f"{label:<58} {ratio:6.3f}  (goal {goal})   "
         f"{cand * scale:9.3f} {unit} vs {base * scale:9.3f} {unit}"
     )
+
+
+def interleaved_medians(runs: dict, repeats: int, warmup: bool = True) -> dict:
+    """Each run's median time over `repeats` rounds, the runs taken in turn, the order rotated
+    each round (so drift and cache effects hit them alike); first one round unmeasured."""
+    if warmup:
+        for run in runs.values():
+            run()
+    names = list(runs)
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(timed(runs[name]))
+    return {name: statistics.median(t) for name, t in times.items()}

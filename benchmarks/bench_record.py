@@ -21,9 +21,11 @@ import sys
 import tempfile
 import time
 
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved_medians
 
 import statax as stx
 
@@ -33,58 +35,16 @@ BATCH, SEQ, BATCHES, REPEATS = (16 if GPU else 8), (256 if GPU else 64), 16, 9
 
 
 def init(key, layers=LAYERS):
-    keys = jax.random.split(key, layers * 4)
-    s = WIDTH**-0.5
-    return [
-        {
-            "qkv": jax.random.normal(keys[4 * i], (WIDTH, 3 * WIDTH)) * s,
-            "proj": jax.random.normal(keys[4 * i + 1], (WIDTH, WIDTH)) * s,
-            "up": jax.random.normal(keys[4 * i + 2], (WIDTH, 4 * WIDTH)) * s,
-            "down": jax.random.normal(keys[4 * i + 3], (4 * WIDTH, WIDTH)) * s * 0.5,
-        }
-        for i in range(layers)
-    ]
-
-
-def norm(x):
-    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
-
-
-def block(p, x):
-    b, t, _ = x.shape
-    q, k, v = jnp.split(norm(x) @ p["qkv"], 3, axis=-1)
-    heads = lambda a: a.reshape(b, t, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
-    q, k, v = heads(q), heads(k), heads(v)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
-    attn = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(b, t, WIDTH)
-    x = x + attn @ p["proj"]
-    return x + jax.nn.gelu(norm(x) @ p["up"]) @ p["down"]
+    return _models.init_blocks(key, layers, WIDTH)
 
 
 def model(params, x):
-    for p in params:
-        x = stx.save_inter(block(p, x), name="resid")
-    return jnp.mean(x)
+    return jnp.mean(_models.blocks(params, x, HEADS))
 
 
 def batches():
     rng = np.random.default_rng(0)
     return [jnp.asarray(rng.normal(size=(BATCH, SEQ, WIDTH)), jnp.float32) for _ in range(BATCHES)]
-
-
-def median_times(runs: dict, repeats=REPEATS) -> dict:
-    """Each run's median time, the runs taken in turn (rotated each round)."""
-    for run in runs.values():  # compile, warm the page cache's paths
-        run()
-    times = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -148,12 +108,13 @@ def main():
         f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {LAYERS} blocks of width "
         f"{WIDTH}, {BATCHES} batches of {BATCH}x{SEQ} tokens: {nbytes / 1e6:.0f} MB recorded"
     )
-    t = median_times(
+    t = interleaved_medians(
         {
             "forward": run_forward,
             "record": run_record,
             "by hand": run_by_hand,
-        }
+        },
+        REPEATS,
     )
     print(
         f"{'record / forward alone':<44} {t['record'] / t['forward']:6.3f}  (goal <= 1.15)"

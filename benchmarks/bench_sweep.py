@@ -12,13 +12,14 @@ a user's first sweep does. Run: `python benchmarks/bench_sweep.py` (`--gpu` for 
 width).
 """
 
-import statistics
 import sys
 import time
 
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved_medians
 
 import statax as stx
 
@@ -28,46 +29,17 @@ WIDTH, HEADS, BATCH, REPEATS = (768, 12, 8, 3) if GPU else (64, 4, 4, 3)
 
 
 def init(key):
-    keys = jax.random.split(key, LAYERS * 4 + 2)
-    s = WIDTH**-0.5
-    blocks = [
-        {
-            "qkv": jax.random.normal(keys[4 * i], (WIDTH, 3 * WIDTH)) * s,
-            "proj": jax.random.normal(keys[4 * i + 1], (WIDTH, WIDTH)) * s,
-            "up": jax.random.normal(keys[4 * i + 2], (WIDTH, 4 * WIDTH)) * s,
-            "down": jax.random.normal(keys[4 * i + 3], (4 * WIDTH, WIDTH)) * s * 0.5,
-        }
-        for i in range(LAYERS)
-    ]
-    embed = jax.random.normal(keys[-2], (VOCAB, WIDTH))
+    k1, k2, k3 = jax.random.split(key, 3)
     return {
-        "embed": embed,
-        "blocks": blocks,
-        "unembed": jax.random.normal(keys[-1], (WIDTH, VOCAB)) * s,
+        "embed": jax.random.normal(k1, (VOCAB, WIDTH)),
+        "blocks": _models.init_blocks(k2, LAYERS, WIDTH),
+        "unembed": jax.random.normal(k3, (WIDTH, VOCAB)) * WIDTH**-0.5,
     }
 
 
-def norm(x):
-    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
-
-
-def block(p, x):
-    b, t, _ = x.shape
-    q, k, v = jnp.split(norm(x) @ p["qkv"], 3, axis=-1)
-    heads = lambda a: a.reshape(b, t, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
-    q, k, v = heads(q), heads(k), heads(v)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
-    attn = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(b, t, WIDTH)
-    x = x + attn @ p["proj"]
-    return x + jax.nn.gelu(norm(x) @ p["up"]) @ p["down"]
-
-
 def gpt(params, ids):
-    x = params["embed"][ids]
-    for p in params["blocks"]:
-        x = stx.save_inter(block(p, x), name="resid")
-    return norm(x) @ params["unembed"]
+    x = _models.blocks(params["blocks"], params["embed"][ids], HEADS)
+    return _models.norm(x) @ params["unembed"]
 
 
 def metric(logits):  # the logit of token 1 minus token 2 at the last position, per example
@@ -124,14 +96,8 @@ def main():
     exact = sweep()
     np.testing.assert_allclose(exact.array(), loop(), rtol=1e-4, atol=1e-4)
     print(f"sweep and loop agree: max |difference| {np.abs(exact.array() - loop()).max():.2e}")
-    times = {"sweep": [], "loop": [], "attribution": []}
     runs = {"sweep": sweep, "loop": loop, "attribution": lambda: sweep("attribution")}
-    for r in range(REPEATS):
-        for name in list(runs)[r % 3 :] + list(runs)[: r % 3]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-    t = {name: statistics.median(v) for name, v in times.items()}
+    t = interleaved_medians(runs, REPEATS, warmup=False)  # (each run compiles afresh)
     print(
         f"{'loop of 192 jitted plant calls / sweep':<44} {t['loop'] / t['sweep']:7.2f}x  "
         f"(goal >= 10)   {t['loop']:.2f} s vs {t['sweep']:.2f} s"
@@ -177,15 +143,7 @@ def main():
         "sweep": sweep_again,
         "attribution": lambda: sweep_again("attribution"),
     }
-    for run in steady.values():
-        run()  # compile
-    again = {name: [] for name in steady}
-    for r in range(2 * REPEATS + 1):
-        for name in list(steady)[r % 3 :] + list(steady)[: r % 3]:
-            start = time.perf_counter()
-            steady[name]()
-            again[name].append(time.perf_counter() - start)
-    a = {name: statistics.median(v) for name, v in again.items()}
+    a = interleaved_medians(steady, 2 * REPEATS + 1)  # (the first round compiles)
     print(
         f"{'steady state: loop / sweep':<44} {a['loop'] / a['sweep']:7.2f}x  "
         f"            {a['loop'] * 1e3:.0f} ms vs {a['sweep'] * 1e3:.0f} ms"

@@ -317,20 +317,10 @@ def test_flax_nnx_model(mode):
 @pytest.mark.parametrize("mode", ["denoising", *AT_SIZE])
 def test_penzai_model(mode):
     from penzai import pz
-    from penzai.models.transformer.variants import llamalike_common
 
-    config = llamalike_common.LlamalikeTransformerConfig(
-        num_kv_heads=2,
-        query_head_multiplier=1,
-        embedding_dim=16,
-        projection_dim=8,
-        mlp_hidden_dim=32,
-        num_decoder_blocks=2,
-        vocab_size=50,
-        mlp_variant="geglu_approx",
-        tie_embedder_and_logits=False,
-    )
-    lm = pz.freeze_params(llamalike_common.build_llamalike_transformer(config, jax.random.key(0)))
+    from tests.test_select_libraries import penzai_lm
+
+    lm = pz.freeze_params(penzai_lm(stack=False))
 
     def run(model, ids):
         return model(pz.nx.wrap(ids).tag("batch", "seq")).unwrap("batch", "seq", "vocabulary")
@@ -408,17 +398,17 @@ def test_attribution_is_the_first_order_term_of_each_patch(mode):
 # ---- the result ---------------------------------------------------------------------------------
 
 
+def sweep_positions(model, **options):
+    """A sweep of `model`'s layers by position, denoising."""
+    pair = (model.clean, model.ws), (model.corrupted, model.ws)
+    axes = {"position": len(model.names) - 2}
+    return stx.sweep(model, lambda out: out, *pair, axes=axes, **options)
+
+
 @pytest.fixture(scope="module")
 def small():
     model = Layered(3)  # unrolled layers
-    return model, stx.sweep(
-        model,
-        lambda out: out,
-        (model.clean, model.ws),
-        (model.corrupted, model.ws),
-        axes={"position": len(model.names) - 2},
-        progress=False,
-    )
+    return model, sweep_positions(model, progress=False)
 
 
 def test_the_result_as_a_dataframe_a_heatmap_and_html(small):
@@ -445,15 +435,7 @@ def test_the_result_as_a_dataframe_a_heatmap_and_html(small):
 def test_progress_and_batch_sizes_give_the_same_result(small, capsys):
     model, result = small
     for batch_size in (1, 2, 1000):
-        again = stx.sweep(
-            model,
-            lambda out: out,
-            (model.clean, model.ws),
-            (model.corrupted, model.ws),
-            axes={"position": len(model.names) - 2},
-            batch_size=batch_size,
-            progress=True,
-        )
+        again = sweep_positions(model, batch_size=batch_size, progress=True)
         np.testing.assert_allclose(again.array(), result.array(), rtol=1e-6)
     assert "patching" in capsys.readouterr().err
 

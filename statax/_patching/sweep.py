@@ -25,6 +25,7 @@ from .._core.errors import SweepError
 from .._drivers.interventions import grad_inters, plant
 from .._drivers.planting import Switch
 from .._drivers.pull import pull
+from .._monitor.optional import progress_bar
 from .result import SweepResult
 
 __all__ = ["MODES", "sweep"]
@@ -375,7 +376,10 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
     chunk = max(1, min(int(batch_size), len(patches)))
     results, lowered = [], None
     starts = range(0, len(patches), chunk)
-    for start in _progress(starts, progress, len(patches)):
+    bar = progress_bar(
+        progress, "stx.sweep", "plot", iterable=starts, desc="patching", unit="chunk"
+    )
+    for start in starts if bar is None else bar:
         stop = min(start + chunk, len(patches))
         pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
         s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
@@ -449,17 +453,3 @@ def _attribution(runs: _Runs, plan: _Plan):
         return out, metrics
 
     return first_order
-
-
-def _progress(items, progress, total):
-    if progress is False:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        if progress:
-            raise ImportError(
-                'stx.sweep(progress=True) needs tqdm. Install it with: pip install "statax[plot]"'
-            ) from None
-        return items
-    return tqdm(items, desc="patching", unit="chunk", disable=None if progress is None else False)

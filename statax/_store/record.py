@@ -25,6 +25,7 @@ import numpy as np
 
 from .._core.errors import StoreError
 from .._drivers.pull import pull
+from .._monitor.optional import progress_bar
 from . import capture, layout
 from .writing import Writer
 
@@ -163,7 +164,14 @@ class Recorder:
         self._pending = 0  # batches of the group not yet closed
         self._open_group: _Group | None = None  # the writer's
         self._writer = Writer(max_in_flight)
-        self._bar = _progress_bar(progress, path, self._batches)
+        self._bar = progress_bar(
+            progress,
+            "stx.record",
+            "store",
+            desc=f"recording to {path}",
+            unit="batch",
+            initial=self._batches,
+        )
         self._closed = False
 
     # The step, compiled: one program per argument structure and static leaves.
@@ -514,22 +522,3 @@ def _version(package: str) -> str | None:
 
 def _qualname(f) -> str:
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
-
-
-def _progress_bar(progress, path, initial):
-    if progress is False:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        if progress:
-            raise ImportError(
-                'stx.record(progress=True) needs tqdm. Install it with: pip install "statax[store]"'
-            ) from None
-        return None
-    return tqdm(
-        desc=f"recording to {path}",
-        unit="batch",
-        initial=initial,
-        disable=None if progress is None else False,
-    )
