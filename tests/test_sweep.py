@@ -136,6 +136,28 @@ def test_random_layered_programs_at_size(seed):
     check_layered(seed)
 
 
+def test_a_site_under_an_inner_grad_against_the_gradient_by_hand():
+    """A mark inside a function that `jax.grad` differentiates: the patched element is a
+    constant there, the others are differentiated as before (a whole planted array would make
+    all of them constants, so the loop of plants is no oracle here)."""
+
+    def model(x):
+        inner = lambda y: jnp.sum(stx.save_inter(jnp.tanh(y) * 2, name="h") ** 2)  # noqa: E731
+        return jnp.sum(jax.grad(inner)(x) + x, axis=-1)
+
+    def by_hand(x, i, source):
+        def inner(y):
+            return jnp.sum((jnp.tanh(y) * 2).at[:, i].set(source[:, i]) ** 2)
+
+        return jnp.mean(jnp.sum(jax.grad(inner)(x) + x, axis=-1))
+
+    rng = np.random.default_rng(6)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2))
+    result = stx.sweep(model, lambda out: out, (clean,), (corrupted,), axes={"feature": 1})
+    want = [float(by_hand(corrupted, i, jnp.tanh(clean) * 2)) for i in range(3)]
+    np.testing.assert_allclose(result["h_0"], want, rtol=1e-5)
+
+
 # ---- real models: the sweep against the loop of plant calls it replaces ------------------------
 
 
