@@ -43,3 +43,18 @@ def python_call(fn, x):
     """`fn(x)`, staged as one `python_call` equation whose params hold `fn` itself."""
     (out,) = python_call_p.bind(x, fn=fn)
     return out
+
+
+# ---- counting XLA compilations (jax.monitoring's event for each backend compile) -------------
+
+_COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, _duration, **_: _COMPILES.append(name)
+    if name == "/jax/core/compile/backend_compile_duration"
+    else None
+)
+
+
+def compilations() -> int:
+    """How many programs XLA has compiled in this process so far."""
+    return len(_COMPILES)

@@ -347,13 +347,16 @@ def test_python_float_argument_is_traced_not_static():
         count.append(1)
         return stx.save_inter(x * 2, name="x2")
 
-    g = stx.pull(f)
+    g = stx.pull(jax.jit(f))
     assert_tree_allclose(g(1.0), (2.0, {"x2_0": 2.0}))
     assert_tree_allclose(g(5.0), (10.0, {"x2_0": 10.0}))
     assert len(count) == 1
+    assert jax.make_jaxpr(stx.pull(f))(1.0).in_avals[0].weak_type  # traced, weakly typed
 
 
-def test_repeated_calls_and_fresh_pulls_do_not_retrace():
+def test_a_plain_function_is_traced_at_every_call():
+    """What it reads from outside its arguments may have changed since: a kept trace would
+    answer for the function as it was."""
     traces = []
 
     def f(x, label="a"):
@@ -361,16 +364,29 @@ def test_repeated_calls_and_fresh_pulls_do_not_retrace():
         return stx.save_inter(x + 1, name="y")
 
     for _ in range(3):
-        stx.pull(f)(jnp.ones(3))  # a fresh pull of the same function each time
+        stx.pull(f)(jnp.ones(3))
+    assert traces == ["a"] * 3
+
+
+def test_a_jitted_function_keeps_jax_jits_trace():
+    traces = []
+
+    def f(x, label="a"):
+        traces.append(label)
+        return stx.save_inter(x + 1, name="y")
+
+    g = jax.jit(f, static_argnames="label")
+    for _ in range(3):
+        stx.pull(g)(jnp.ones(3))  # a fresh pull of the same function each time
     assert traces == ["a"]
-    stx.pull(f)(jnp.ones(4))  # new shape
-    stx.pull(f)(jnp.ones(3, jnp.int32))  # new dtype
-    stx.pull(f)(jnp.ones(3), label="b")  # new static value
-    stx.pull(f)(jnp.ones(3), label="b")
+    stx.pull(g)(jnp.ones(4))  # new shape
+    stx.pull(g)(jnp.ones(3, jnp.int32))  # new dtype
+    stx.pull(g)(jnp.ones(3), label="b")  # new static value
+    stx.pull(g)(jnp.ones(3), label="b")
     assert traces == ["a", "a", "a", "b"]
 
 
-def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
+def test_repeated_calls_do_not_redo_the_rewrite_of_a_jitted_function(monkeypatch):
     import statax._drivers.entries as entries_module
 
     calls = []
@@ -382,10 +398,12 @@ def test_repeated_calls_do_not_redo_the_rewrite(monkeypatch):
     def f(x):
         return stx.save_inter(x + 1)
 
+    jitted = jax.jit(f)
     for _ in range(3):
-        stx.pull(jax.jit(f))(jnp.ones(3))
-        stx.pull(f)(jnp.ones(3))
-    # One rewrite for `f`; `jax.jit(f)` is a new function object each time (as for jax.jit).
+        stx.pull(jitted)(jnp.ones(3))
+    assert len(calls) == 1
+    for _ in range(3):
+        stx.pull(f)(jnp.ones(3))  # traced, and rewritten, at every call
     assert len(calls) == 4
 
 
@@ -562,18 +580,19 @@ class _x64:
 
 
 def _traced_under(context):
-    """How often `f` is traced when pulled once outside `context`, once inside, once after."""
+    """How often jitted `f` is traced when pulled once outside `context`, once inside, once
+    after (what statax keeps of it is keyed as `jax.jit`'s own trace is)."""
     traces = []
 
     def f(x):
         traces.append(1)
         return stx.save_inter(x @ x, name="xx")
 
-    x = jnp.ones((2, 2))
-    expected = stx.pull(f)(x)
+    x, g = jnp.ones((2, 2)), jax.jit(f)
+    expected = stx.pull(g)(x)
     with context:
-        assert_tree_allclose(stx.pull(f)(x), expected)
-    assert_tree_allclose(stx.pull(f)(x), expected)
+        assert_tree_allclose(stx.pull(g)(x), expected)
+    assert_tree_allclose(stx.pull(g)(x), expected)
     return len(traces)
 
 
@@ -629,7 +648,8 @@ def test_changing_a_handler_drops_every_cached_rewrite():
     def f(x):
         return lax.cond(x > 0, lambda: stx.save_inter(x, name="c"), lambda: x)
 
-    stx.pull(f)(1.0)
+    g = jax.jit(f)
+    stx.pull(g)(1.0)  # (a jitted function's trace is kept, while it lives)
     assert cache._CACHE and rewrite._PULLED and marks._SAVES
     registry.register_rules(lax.cond_p, registry.rules_of(lax.cond_p))  # (the same record again)
     caches = (marks._SAVES, rewrite._PULLED, rewrite._PULLED_OPEN)

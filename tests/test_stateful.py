@@ -427,14 +427,14 @@ def test_shard_map_state_is_per_shard():
         assert_tree_allclose((out, new), (4 * np.arange(8.0), {"n": 3 * blocks}))
 
 
-def test_does_not_retrace_for_the_same_shapes():
+def test_a_jitted_function_is_not_traced_again_for_the_same_shapes():
     traces = []
 
     def h(x):
         traces.append(1)
         return scan_counter(x)
 
-    run = stx.stateful(h)
+    run = stx.stateful(jax.jit(h))
     for k in range(3):
         run(jnp.arange(3.0) + k, state={"n": jnp.float32(k)})
     assert len(traces) == 1

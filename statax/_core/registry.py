@@ -112,6 +112,9 @@ class Rules:
             decides from its impl and params (`python_rules.runs_python`); `False` for a
             primitive whose impl runs only its jaxprs (a call, a loop, a branch) or only JAX's
             own functions or a host callback.
+        derivative_params: the names of params that hold only its derivative rules (a custom
+            JVP or VJP, made anew at every trace): the key of a compiled program that statax
+            keeps (`structure.program_key`) leaves them out, as such a program is only run.
     """
 
     handler: Handler | None = None
@@ -125,6 +128,7 @@ class Rules:
     trips: Callable[[jex.JaxprEqn], int | None] | None = None
     selectable: bool = False
     runs_python: bool | None = None
+    derivative_params: tuple[str, ...] = ()
 
     def runs_of(self, eqn: jex.JaxprEqn) -> int | None:
         """How many times `eqn` runs its inner jaxprs (`trips`; 1 without a rule)."""

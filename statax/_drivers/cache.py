@@ -1,9 +1,16 @@
-"""The traces a driver keeps: per function (held weakly) and per kind of argument (their
-types, static leaves and tree structure), a few each.
+"""The traces a driver keeps, for a function the user wrapped in `jax.jit` (or
+`eqx.filter_jit`) only: per function (held weakly) and per kind of argument (their types,
+static leaves and tree structure), a few each.
+
+Any other function is traced at every call: whatever it reads from outside its arguments (a
+global, a closed-over array or model) is a constant of its trace, so a trace kept would answer
+for the function as it was. A jitted function keeps its own first trace (`jax.jit`'s rule), and
+a trace of it kept here gives what a call of it gives.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -11,7 +18,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 from .._core.meta import hashable
 from .._core.registry import on_forget
@@ -34,8 +40,7 @@ on_forget(_CACHE.clear)  # a new handler may see what the old ones could not
 # rewritten jaxpr is one `jit` equation). Functions that are not (`pull(f)` of a plain `f`
 # runs op by op, as `f` would), and calls on anything but arrays, take the path above.
 
-_ARRAY = type(jnp.zeros(()))  # what `jax.Array`s are (jaxlib's `ArrayImpl`)
-is_array = _ARRAY.__instancecheck__  # (no tracer is one)
+is_array = _tracing.ARRAY_TYPE.__instancecheck__  # a `jax.Array` (no tracer is one)
 
 
 def traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
@@ -45,10 +50,26 @@ def traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
     return traced, None, tuple(map(jax.typeof, dynamic))
 
 
+def follows_jit(root) -> bool:
+    """Whether `root` (as `split_callable` gives it) is a function wrapped in `jax.jit` or
+    `eqx.filter_jit`, whose calls follow `jax.jit`'s rule: its first trace is kept."""
+    return isinstance(root, _jit_types()[0]) or root is _jit_types()[1]
+
+
+@functools.cache
+def _jit_types() -> tuple[type, type]:
+    # (made on first use: building them at import would be work that `import statax` does)
+    identity = lambda x: x  # noqa: E731
+    return type(jax.jit(identity)), type(eqx.filter_jit(identity))
+
+
 def cached(root, key, make: Callable, cache: weakref.WeakKeyDictionary = _CACHE):
     """The entry (a trace and what was made of it, with a `jaxpr`) kept for `root` and `key`,
     made by `make()` on a miss and kept unless its jaxpr closes over tracers (of a trace that
-    ends): the one trace-and-cache pipeline of `pull` and `stateful`."""
+    ends): the one trace-and-cache pipeline of `pull` and `stateful`. A `root` that does not
+    follow `jax.jit`'s rule is traced at every call (see above)."""
+    if not follows_jit(root):
+        return make()
     entry = lookup(root, key, cache)
     if entry is None:
         entry = make()

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
@@ -33,6 +33,7 @@ from .cache import (
     traced_mask,
 )
 from .naming import check_cotangents, check_only, named, plans_for, unflatten_out
+from .programs import Programs
 
 __all__ = ["Entry", "entry_for", "evaluate", "inline", "summarized"]
 
@@ -50,7 +51,6 @@ class Entry:
     ins: tuple[StateMeta, ...]  # what the rewritten jaxpr takes in (planted marks)
     in_avals: tuple
     call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
-    summarized: dict = dataclasses.field(default_factory=dict)  # summarize -> its evaluation
     plans: dict = dataclasses.field(default_factory=dict)  # ran -> how the dict is made
     checked: bool = False  # whether `only=` was checked against the marks (`check_only`)
 
@@ -134,16 +134,16 @@ def evaluate(
 
 def summarized(entry: Entry, summarize: Callable, ran: bool) -> Callable:
     """One compiled program that runs the function and summarises every intermediate, so that
-    only the summaries leave the device."""
-    compiled = entry.summarized.get((summarize, ran))
-    if compiled is None:
+    only the summaries leave the device (kept by what it computes: `Programs`)."""
+    return functools.partial(_SUMMARIES, functools.partial(_summarizing, entry, summarize, ran))
 
-        def run(*args):
-            out, inters = evaluate(entry, args, ran)
-            return out, {key: summarize(value) for key, value in inters.items()}
 
-        compiled = entry.summarized[summarize, ran] = eqx.filter_jit(run)
-    return compiled
+_SUMMARIES = Programs(keep=32)
+
+
+def _summarizing(entry: Entry, summarize: Callable, ran: bool, *args):
+    out, inters = evaluate(entry, args, ran)
+    return out, {key: summarize(value) for key, value in inters.items()}
 
 
 def _trace(root, call, leaves, treedef, traced, only, avals, places: Plan = Plan()) -> Entry:

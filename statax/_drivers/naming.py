@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._core import context as _context
 from .._core import reduce as _reduce
@@ -109,6 +110,13 @@ class Key(str):
         return (Key, (str(self), self.location, self.reduce, self.site, self.batch_ndim))
 
 
+def keys_named(entry: str, keys) -> list:
+    """The keys among `keys` that `entry` stands for, as a user writes one to a driver's
+    per-key option (`axis=`, `axes=`, `sites=`): the key itself (`"h_1"`), or every occurrence
+    of a name (`"h"`, as `only=` takes names; a reduced name is its own key)."""
+    return [k for k in keys if k == entry or KeyName.parse(str(k)).name == entry]
+
+
 @functools.lru_cache(maxsize=4096)
 def _key(name: str, location: str, reduce: str | None, site=(), batch_ndim=0) -> Key:
     """The `Key` (made once: keys are immutable)."""
@@ -143,6 +151,8 @@ def named(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
         leaves = flat[start:stop]
         if kind == "value":
             inters[key] = meta.unflatten(leaves)
+        elif kind == "add":
+            inters[key] = jax.tree_util.tree_map(jnp.add, inters[key], meta.unflatten(leaves))
         elif kind == "flagged":  # the value, its mask last
             inters[key] = meta.unflatten(leaves[:-1])
         elif kind == "flag":
@@ -152,6 +162,14 @@ def named(metas: Sequence[StateMeta], flat: Sequence, ran: bool, plans: dict) ->
         else:
             inters[key] = meta.unflatten(_reduce.ran(meta, leaves))
     return inters
+
+
+def _branches_of(first: StateMeta, second: StateMeta) -> bool:
+    """Whether two cotangents share one key as the branches of one batched `cond` make them:
+    JAX runs both branches of a `cond` whose predicate is batched (a `select` of the two), so
+    the mark of one slot (`tap`) is tapped in each. The cotangent that flows back into the
+    branch not taken is zero, example by example, so their sum is the slot's cotangent."""
+    return first.grad and second.grad and first.tap is not None and first.tap == second.tap
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,7 +201,9 @@ def _plan(metas: Sequence[StateMeta], ran: bool) -> list:
         if ran and meta.reduce is not None and _reduce.stacked(meta):
             entries.append((str(KeyName(meta.name).ran()), "ran"))
         for name, kind in entries:
-            if name in sites:
+            if name in sites and _branches_of(sites[name], meta):
+                kind = "add"  # the other branch's cotangent at the same slot: zero where it ran
+            elif name in sites:
                 raise KeyCollisionError(name, sites[name], meta)
             sites[name] = meta
             key = _key(name, meta.location, meta.reduce, meta.site, meta.batch_ndim)

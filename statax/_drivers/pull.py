@@ -23,9 +23,7 @@ from .._select.plan import Plan
 from . import compiled as _compiled
 from . import nnx as _nnx
 from . import planting as _plant
-from .cache import (
-    is_array,
-)
+from .cache import follows_jit, is_array
 from .entries import entry_for, evaluate, inline, summarized
 from .naming import selection_of
 
@@ -147,7 +145,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, traced: Plan 
         _context.COTANGENTS(pulled.cotangents),
     ):
         entry, dynamic = entry_for(root, call, leaves, treedef, only, pulled.at, traced)
-    if eager and _compiled.one_jit(entry):
+    if eager and follows_jit(root) and _compiled.one_jit(entry):
         _compiled.compile_entry(root, call, only, ran, pulled.at)
     if values is not None:  # `plant`: its values, checked against the marks
         fed = _plant.feed(entry.ins, entry.in_avals, values, planting, entry.metas)

@@ -41,7 +41,8 @@ class Site:
             `stx.primitives` or `stx.lines` takes.
         shape, dtype: of its value's first array as `pull` returns it, for one call (with a
             loop's iterations stacked in front); for a primitive or a line, of its first
-            equation's first output, per iteration.
+            equation's first output, per iteration. A value with no array (a module that
+            returns a Python bool) has no shape, and its first leaf's type as dtype (`"bool"`).
         calls: how many times the function reaches it, as `pull` keys them (`name_0`, ...);
             for a primitive or a line, how many equations it has.
         per_call: how many values each of those gives: the iterations of the loops around it
@@ -224,19 +225,20 @@ def _grouped(kind: str, shapes: dict, skip: set, per_call: dict) -> list[Site]:
         rows.setdefault(name, []).append(value)
     out = []
     for name, values in rows.items():
-        first = next(iter(jax.tree_util.tree_leaves(values)), None)
+        shape, dtype = _described(jax.tree_util.tree_leaves(values))
         out.append(
-            Site(
-                kind,
-                name,
-                None if first is None else tuple(first.shape),
-                None if first is None else str(first.dtype),
-                len(values),
-                per_call.get(name, 1),
-                _nbytes(values),
-            )
+            Site(kind, name, shape, dtype, len(values), per_call.get(name, 1), _nbytes(values))
         )
     return out
+
+
+def _described(leaves: list) -> tuple[tuple[int, ...] | None, str | None]:
+    """The shape and dtype of the first array among `leaves`; where there is none (a module
+    that returns a Python bool), no shape and the first leaf's type (`"bool"`)."""
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            return tuple(leaf.shape), str(leaf.dtype)
+    return None, None if not leaves else type(leaves[0]).__name__
 
 
 def _map(fn, args, kwargs) -> Sites:

@@ -29,12 +29,14 @@ from jax._src.lax import lax as lax_internal  # isort: skip
 
 __all__ = [
     "bind",
+    "constants_as_inputs",
     "dce",
     "debug_info",
     "extend_debug_info",
     "jaxprs_in_params",
     "new_equation",
     "trace",
+    "trace_open",
     "wraps_jaxpr",
     "zeros",
 ]
@@ -66,6 +68,23 @@ def trace(
     )
     jaxpr, _, consts = pe_api.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def trace_open(
+    fn: Callable, in_avals: Sequence[Any], name: str = "statax", source: Callable | None = None
+) -> tuple[jex.Jaxpr, list]:
+    """`trace`, as the open jaxpr (its constants as `constvars`) and its constants."""
+    wrapped = linear_util_api.wrap_init(
+        lambda *args: list(fn(*args)), debug_info=debug_info(name, source)
+    )
+    jaxpr, _, consts = pe_api.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jaxpr, consts
+
+
+def constants_as_inputs(jaxpr: jex.Jaxpr) -> jex.ClosedJaxpr:
+    """An open jaxpr as a closed one with no constants, which takes its constants as its first
+    inputs (`pe.convert_constvars_jaxpr`, JAX 0.8 -- 0.12)."""
+    return jex.ClosedJaxpr(pe_api.convert_constvars_jaxpr(jaxpr), ())
 
 
 def debug_info(name: str, source: Callable | None = None) -> Any:

@@ -19,11 +19,14 @@ from jax._src import config as jax_config  # isort: skip
 
 from jax._src import core  # isort: skip
 
+from jax._src.array import ArrayImpl as ARRAY_TYPE  # isort: skip  (what `jax.Array`s are)
+
 
 from jax._src.interpreters import ad, batching  # isort: skip
 
 
 __all__ = [
+    "ARRAY_TYPE",
     "batched_outputs",
     "batching_rule",
     "current_trace",

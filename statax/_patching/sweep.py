@@ -10,20 +10,23 @@ Attribution patching reads the gradient of the metric at each site from one back
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core.errors import SweepError
+from .._core.meta import KeyName
 from .._drivers.interventions import grad_inters, plant
+from .._drivers.naming import keys_named
 from .._drivers.planting import Switch
+from .._drivers.programs import Programs
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
 from .result import SweepResult
@@ -40,7 +43,7 @@ def sweep(
     corrupted: tuple | None = None,
     *,
     at: Any = None,
-    sites: Sequence[str] | None = None,
+    sites: str | Sequence[str] | None = None,
     axes: Mapping[str, int] | Mapping[str, Mapping[str, int]] | None = None,
     mode: str = "denoising",
     method: str = "exact",
@@ -64,8 +67,8 @@ def sweep(
         clean: the clean input: a tuple of `fn`'s positional arguments.
         corrupted: the corrupted input, the same way (`"denoising"` and `"noising"` need it).
         at: selections that make the sites (as in `pull`), beside the marks by hand.
-        sites: the keys (`"resid_3"`) or names (`"resid"`: every occurrence) to patch; by
-            default every key `pull(fn, at=at)` returns.
+        sites: the keys (`"resid_3"`) or names (`"resid"`: every occurrence) to patch (one
+            string is one of them); by default every key `pull(fn, at=at)` returns.
         axes: the axes patched one index at a time, by name: `{"position": 1}` patches each
             position of every site (axis 1 of its value, the examples' axis 0 included);
             several axes patch every combination. None patches each site whole. For sites with
@@ -100,6 +103,11 @@ def sweep(
         raise SweepError(f"stx.sweep: mode={mode!r}; it is one of {', '.join(MODES)}.")
     if method not in ("exact", "attribution"):
         raise SweepError(f"stx.sweep: method={method!r}; it is 'exact' or 'attribution'.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise SweepError(
+            f"stx.sweep: batch_size={batch_size!r}; it is how many patches run at once, an "
+            "int of 1 or more."
+        )
     clean = _arguments(clean, "clean")
     if mode in ("denoising", "noising") and corrupted is None:
         raise SweepError(f"stx.sweep(mode={mode!r}) patches between two runs: pass corrupted=.")
@@ -108,11 +116,20 @@ def sweep(
     per_site = any(isinstance(v, Mapping) for v in axes.values())
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
-    runs = _cached(("runs", fn, metric, at), lambda: _Runs(fn, metric, at))
+    runs = _Runs(fn, metric, at)
     clean_values, corrupted_values = runs.shapes(clean, corrupted)  # (traced, not run)
     keys = _sites(sites, clean_values)
     if corrupted is not None:
         _same_shapes(keys, clean_values, corrupted_values)
+    if per_site and all(isinstance(v, Mapping) for v in axes.values()):  # (else: `_axes_of`)
+        unknown = [entry for entry in axes if not keys_named(entry, keys)]
+        if unknown:
+            raise SweepError(
+                f"stx.sweep(axes=...): {unknown} name no site of the sweep (a key, 'h_0', or a "
+                f"name, 'h', for each of its occurrences). The sites: {keys}."
+            )
+    if method == "attribution":
+        _differentiable(keys, clean_values)
     site_axes = {k: _axes_of(k, axes, per_site) for k in keys}
     sizes = {k: _axis_sizes(k, clean_values[k], site_axes[k]) for k in keys}
     plan = _Plan(
@@ -126,12 +143,12 @@ def sweep(
 
     lowered = None
     if method == "attribution":
-        program = _cached(("attribution", runs, plan), lambda: _attribution(runs, plan))
-        values, (clean_metric, corrupted_metric, ran) = program(clean, corrupted)
+        program = _attribution(runs, plan)
+        values, (clean_metric, corrupted_metric, ran) = _PROGRAMS(program, clean, corrupted)
         _check_ran(ran)
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
-        program = _cached(("exact", runs, plan), lambda: _patch_program(runs, plan))
+        program = _patch_program(runs, plan)
         values, clean_metric, corrupted_metric, lowered = _exact(
             program, plan, clean, corrupted, batch_size, patch_sharding, progress
         )
@@ -163,23 +180,9 @@ class _Plan:
     sizes: tuple  # ((key, (size per axis, ...)), ...)
 
 
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_KEEP = 8  # the compiled programs kept, the most recently used
-
-
-def _cached(key, make):
-    """A jitted program shared by the sweeps of one function, metric, sites and axes (the last
-    `_KEEP` of them): a sweep over new inputs of the same shapes compiles nothing."""
-    try:
-        program = _PROGRAMS.pop(key)
-    except TypeError:  # something in the key does not hash: this sweep's own
-        return make()
-    except KeyError:
-        program = make()
-    _PROGRAMS[key] = program
-    while len(_PROGRAMS) > _KEEP:
-        _PROGRAMS.popitem(last=False)
-    return program
+# The compiled programs of sweeps, kept by what they compute (the last eight): a sweep over new
+# inputs of the same shapes compiles nothing, and one of a changed model runs it as it is now.
+_PROGRAMS = Programs(keep=8)
 
 
 class _Runs:
@@ -193,7 +196,6 @@ class _Runs:
         # `ran=True`: a site in a branch not taken is there under a trace (zeros), its flag
         # says it did not run.
         self.pulled, self.metric, self.order = pull(fn, at=at, ran=True), metric, [[], []]
-        self.traced: dict = {}  # the inputs' shapes -> the values' shapes
 
     def runs(self, clean, corrupted):
         """`((metric, values, ran), ...)`: `ran`, whether each site that may not have run ran."""
@@ -210,17 +212,13 @@ class _Runs:
         return tuple(results)
 
     def shapes(self, clean, corrupted):
-        """The values' shapes of each run (`None` for no corrupted run), in program order;
-        traced once per structure, shapes and dtypes of the inputs."""
-        leaves, treedef = jax.tree_util.tree_flatten((clean, corrupted))
-        key = (treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
-        if key not in self.traced:
-            shaped = jax.eval_shape(self.runs, clean, corrupted)
-            self.traced[key] = tuple(
-                None if r is None else {k: r[1][k] for k in order}
-                for order, r in zip(self.order, shaped)
-            )
-        return self.traced[key]
+        """The values' shapes of each run (`None` for no corrupted run), in program order
+        (traced, with the inputs' arrays traced and their other leaves static, as `pull`)."""
+        shaped = eqx.filter_eval_shape(self.runs, clean, corrupted)
+        return tuple(
+            None if r is None else {k: r[1][k] for k in order}
+            for order, r in zip(self.order, shaped)
+        )
 
     def prepared(self, plan: _Plan, clean, corrupted):
         """Inside a program: the base run's arguments and values, each site's source, and the
@@ -266,11 +264,17 @@ def _arguments(args, which: str) -> tuple:
 
 
 def _sites(sites, values: dict) -> list:
+    if not values:
+        raise SweepError(
+            "stx.sweep: the function has no site to patch: no save_inter ran in the clean run, "
+            "and at= selected nothing. Mark values with stx.save_inter, or select places with "
+            "at= (stx.modules(...), stx.scopes(...)); stx.sites(fn)(*clean) maps them."
+        )
     if sites is None:
         return list(values)
     keys, missing = [], []
-    for site in sites:
-        found = [k for k in values if k == site or k.rsplit("_", 1)[0] == site]
+    for site in [sites] if isinstance(sites, str) else sites:
+        found = keys_named(site, values)
         keys += [k for k in found if k not in keys]
         if not found:
             missing.append(site)
@@ -281,6 +285,19 @@ def _sites(sites, values: dict) -> list:
             f"The sites that ran: {list(values)}."
         )
     return keys
+
+
+def _differentiable(keys, values: dict) -> None:
+    """Attribution takes a gradient at every site: a site of integers (token ids) has none."""
+    for key in keys:
+        dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(values[key])}
+        if any(not jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+            raise SweepError(
+                f"stx.sweep(method='attribution'): site {key!r} (saved at "
+                f"{getattr(key, 'location', '?')}) holds {', '.join(sorted(dtypes))} values, "
+                "which have no gradient to take the first-order term from. Leave it out with "
+                "sites=, or sweep it with method='exact'."
+            )
 
 
 def _same_shapes(keys, clean: dict, corrupted: dict) -> None:
@@ -319,7 +336,7 @@ def _axes_of(key, axes: dict, per_site: bool) -> dict:
             "stx.sweep: axes= is either {name: axis} for every site, or {site: {name: axis}} "
             f"for each; it mixes the two: {axes}."
         )
-    name = key.rsplit("_", 1)[0]
+    name = KeyName.parse(str(key)).name
     return dict(axes.get(key, axes.get(name, {})))
 
 
@@ -374,7 +391,7 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
     site_ids = np.array([s for s, _ in patches], np.int32)
     flat = np.array([i for _, i in patches], np.int32)
     chunk = max(1, min(int(batch_size), len(patches)))
-    results, lowered = [], None
+    results, lowered, traced = [], None, None
     starts = range(0, len(patches), chunk)
     bar = progress_bar(
         progress, "stx.sweep", "plot", iterable=starts, desc="patching", unit="chunk"
@@ -386,12 +403,14 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        chunk_values, metrics = program(s, i, clean, corrupted)
+        if traced is None:  # traced once a sweep: every chunk runs that trace's program
+            traced = _PROGRAMS.traced(program, s, i, clean, corrupted)
+            # the chunk's program, lowered when asked (`memory_analysis()`)
+            lowered = functools.partial(traced.lower, s, i, clean, corrupted)
+        chunk_values, metrics = traced(s, i, clean, corrupted)
         if not results:
             _check_ran(metrics[2])
         results.append(np.asarray(chunk_values)[: stop - start])
-        if lowered is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
-            lowered = functools.partial(program.lower, s, i, clean, corrupted)
     values = np.concatenate(results)
     out, at = {}, 0
     for key in plan.keys:
@@ -419,7 +438,6 @@ def _patch_program(runs: _Runs, plan: _Plan):
             values[key] = Switch(site == s, masks, source[key])
         return _metric(runs.metric, planted(values, *base))
 
-    @jax.jit
     def run(sites, indices, clean, corrupted):
         base, _, source, metrics = runs.prepared(plan, clean, corrupted)
         return jax.vmap(one, in_axes=(0, 0, None, None))(sites, indices, base, source), metrics
@@ -435,7 +453,6 @@ def _attribution(runs: _Runs, plan: _Plan):
     def loss(*args):
         return _metric(runs.metric, runs.fn(*args))
 
-    @jax.jit
     def first_order(clean, corrupted):
         base, base_values, source, metrics = runs.prepared(plan, clean, corrupted)
         baseline, grads = grad_inters(loss, at=runs.at)(*base)

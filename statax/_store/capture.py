@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core.errors import StoreError
-from .._drivers.naming import Key
+from .._drivers.naming import Key, keys_named
 
 __all__ = ["POSITIONS", "Capture", "check_host_memory", "step", "subsample"]
 
@@ -27,11 +27,26 @@ class Capture:
     subsample: tuple | None
     offload: bool
 
+    def axes_of(self, inters: dict) -> dict:
+        """Each key's examples axis from `axis={entry: axis}`, an entry naming a key or every
+        occurrence of a name; an entry that names none is an error."""
+        axes = {}
+        for entry, axis in self.axis:
+            found = keys_named(entry, inters)
+            if not found:
+                raise StoreError(
+                    f"stx.record(axis={{{entry!r}: {axis}}}): {entry!r} names no key the function "
+                    f"returns (a key, 'h_0', or a name, 'h', for each of its occurrences). The "
+                    f"keys: {list(inters)}."
+                )
+            axes.update(dict.fromkeys(found, axis))
+        return axes
+
     def device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
         """What is stored, on device: each value's leaves by key, examples first (a row per
         batch under `summarize=`), subsampled, on host memory if offloaded."""
         per_batch = self.pulled.summarize is not None
-        axes = dict(self.axis) if isinstance(self.axis, tuple) else {}
+        axes = self.axes_of(inters) if isinstance(self.axis, tuple) else {}
         values = {}
         for key, value in inters.items():
             for path, leaf in jax.tree_util.tree_leaves_with_path(value):
@@ -40,7 +55,7 @@ class Capture:
                 if per_batch:
                     leaf = leaf[None]
                 else:
-                    a = axes.get(str(key), 0) if isinstance(self.axis, tuple) else self.axis
+                    a = axes.get(key, 0) if isinstance(self.axis, tuple) else self.axis
                     if leaf.ndim <= a:
                         raise StoreError(
                             f"stx.record: {name!r} (saved at {_location(key)}) has shape "
@@ -56,17 +71,10 @@ class Capture:
         return values
 
 
-def step(capture: Capture, treedef, traced, static):
-    """The compiled step: `(batch number, the arrays of (args, kwargs)) -> (out, values)`."""
-
-    def step(batch, dynamic):
-        it = iter(dynamic)
-        full = [next(it) if t else s for t, s in zip(traced, static)]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out, inters = capture.pulled(*args, **kwargs)
-        return out, capture.device_values(inters, batch)
-
-    return jax.jit(step)
+def step(capture: Capture, batch, args: tuple, kwargs: dict):
+    """The step, traced into the recorder's compiled program: `(out, values)`."""
+    out, inters = capture.pulled(*args, **kwargs)
+    return out, capture.device_values(inters, batch)
 
 
 def subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:

@@ -3,6 +3,13 @@
     acts.zarr/zarr.json             the group; its attribute "statax" is the store's metadata
     acts.zarr/<key>/...             one zarr v3 array per key, the examples along axis 0
     acts.zarr/_statax/commit.<p>    what process p has committed: {"batches": b, "rows": r}
+    acts.zarr/_statax/making.json   while the store is being made: the metadata it will have
+
+A store is made in an order that a killed run can always be told from: `_statax/` first (with
+`making.json`), then the arrays, then `zarr.json`, the name only a finished store has (each
+file is written whole, to a temporary name, and renamed into place). A folder with `_statax/`
+and no `zarr.json` is a store half made, with no batch in it: `stx.record` makes it again,
+`stx.open_store` says so.
 
 A batch is committed once every array holds it: each process writes its commit record (an
 atomic replace) after its own writes of that batch are done, and the store holds the batches
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import urllib.parse
 from typing import Any
 
@@ -22,9 +30,12 @@ from .._monitor.optional import require
 
 __all__ = [
     "FORMAT",
+    "HalfMade",
     "array_path",
+    "begin",
     "array_spec",
     "committed",
+    "finish",
     "kvstore",
     "new_array",
     "open_array",
@@ -32,12 +43,17 @@ __all__ = [
     "remove_stale_locks",
     "tensorstore",
     "write_commit",
-    "write_metadata",
 ]
 
 FORMAT = 1  # the layout's version, in the metadata
 _GROUP = "zarr.json"
 _COMMITS = "_statax/"
+_MAKING = "_statax/making.json"
+
+
+class HalfMade(StoreError):
+    """The folder holds a store whose making was cut short (a run killed before its arrays and
+    metadata were all written): it holds no batch."""
 
 
 def tensorstore():
@@ -73,6 +89,12 @@ def read_metadata(path: str) -> dict | None:
     if not os.listdir(path):
         return None
     found = kvstore(path).read(_GROUP).result()
+    if found.state != "value" and os.path.isdir(os.path.join(path, _COMMITS)):
+        raise HalfMade(
+            f"{path!r} holds a store whose making was cut short (the run that made it ended "
+            "before its arrays and metadata were all written): it holds no batch. "
+            "stx.record(fn, to=path) makes it again; or remove the folder."
+        )
     what = None
     if found.state == "value":
         try:
@@ -90,9 +112,24 @@ def read_metadata(path: str) -> dict | None:
     return what
 
 
-def write_metadata(path: str, metadata: dict) -> None:
+def begin(path: str, metadata: dict) -> None:
+    """Start making a store at `path` (absent, empty, or half made: then emptied): `_statax/`
+    and the metadata it will have, before anything else."""
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            where = os.path.join(path, name)
+            shutil.rmtree(where) if os.path.isdir(where) else os.remove(where)
+    os.makedirs(os.path.join(path, _COMMITS), exist_ok=True)
+    kvstore(path).write(_MAKING, json.dumps(metadata, indent=1).encode()).result()
+
+
+def finish(path: str, metadata: dict) -> None:
+    """The store made: its metadata in `zarr.json` (from then on it is a store), and the mark
+    of its making gone."""
     group = {"zarr_format": 3, "node_type": "group", "attributes": {"statax": metadata}}
-    kvstore(path).write(_GROUP, json.dumps(group, indent=1).encode()).result()
+    kv = kvstore(path)
+    kv.write(_GROUP, json.dumps(group, indent=1).encode()).result()
+    os.remove(os.path.join(path, _MAKING))
 
 
 def remove_stale_locks(path: str) -> None:

@@ -53,7 +53,12 @@ class StoredArray:
         return self.shape[0]
 
     def __getitem__(self, index) -> np.ndarray:
-        return np.asarray(self._array[index].read().result())
+        """NumPy's answer for any index NumPy takes (negative indices, slices past the end,
+        steps, integer and boolean arrays, `None`, `...`): the block the index reaches is read,
+        and indexed as NumPy would index the whole array."""
+        box, local = numpy_index(index, self.shape)
+        block = np.asarray(self._array[box].read().result())
+        return block[local]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = self[...]
@@ -64,6 +69,101 @@ class StoredArray:
 
     def __repr__(self) -> str:
         return f"StoredArray({self.key!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def numpy_index(index, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple]:
+    """`(box, local)` such that `a[index]` is `a[box][local]` for an array `a` of `shape`, as
+    NumPy indexes it: `box` is a slice per axis with steps of 1 within the array (the block the
+    index reaches), `local` the index into that block. NumPy's `IndexError`s are raised here,
+    before anything is read."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    items = [_as_index(item) for item in items]
+    consumed = sum(_axes_taken(item) for item in items)
+    if consumed > len(shape):
+        raise IndexError(
+            f"too many indices for array: array is {len(shape)}-dimensional, but {consumed} "
+            "were indexed"
+        )
+    if sum(item is Ellipsis for item in items) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    rest = [slice(None)] * (len(shape) - consumed)  # what `...` (or the end) stands for
+    at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
+    items[at : at + 1] = rest
+    box, local, axis = [], [], 0
+    for item in items:
+        if item is None:
+            local.append(None)
+            continue
+        if isinstance(item, np.ndarray) and item.dtype == bool:
+            dims = shape[axis : axis + item.ndim]
+            if item.shape != dims:
+                raise IndexError(
+                    f"boolean index did not match indexed array along axis {axis}; size of "
+                    f"axis is {dims} but size of corresponding boolean axis is {item.shape}"
+                )
+            for positions, n in zip(np.nonzero(item), dims):
+                lo, hi = _bounds(positions, n)
+                box.append(slice(lo, hi))
+                local.append(positions - lo)
+            axis += item.ndim
+            continue
+        n = shape[axis]
+        if isinstance(item, slice):
+            start, stop, step = item.indices(n)
+            taken = range(start, stop, step)
+            if not taken:
+                box.append(slice(0, 0))
+                local.append(slice(0, 0))
+            else:
+                lo, hi = min(taken[0], taken[-1]), max(taken[0], taken[-1]) + 1
+                end = taken[-1] - lo + (1 if step > 0 else -1)
+                box.append(slice(lo, hi))
+                local.append(slice(taken[0] - lo, None if end < 0 else end, step))
+        else:  # an integer, or an array of them
+            positions = np.where(item < 0, item + n, item)
+            if np.any((positions < 0) | (positions >= n)):
+                bad = np.asarray(item).ravel()[np.argmax(((positions < 0) | (positions >= n)))]
+                raise IndexError(
+                    f"index {bad} is out of bounds for axis {axis} with size {n}"
+                )
+            lo, hi = _bounds(positions, n)
+            box.append(slice(lo, hi))
+            local.append(positions - lo if positions.ndim else int(positions) - lo)
+        axis += 1
+    return tuple(box), tuple(local)
+
+
+def _as_index(item):
+    """An index item as NumPy reads it: a list or array of integers or booleans an array."""
+    if item is None or item is Ellipsis or isinstance(item, slice):
+        return item
+    if isinstance(item, (bool, np.bool_)):
+        raise IndexError("a boolean scalar index is not supported; index with an array")
+    if isinstance(item, (int, np.integer)):
+        return np.asarray(int(item))
+    array = np.asarray(item)
+    if array.dtype == bool or np.issubdtype(array.dtype, np.integer):
+        return array
+    if array.size == 0 and array.dtype == np.float64:  # NumPy reads [] as an integer index
+        return array.astype(np.intp)
+    raise IndexError(
+        "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and integer or "
+        f"boolean arrays are valid indices (got {type(item).__name__})"
+    )
+
+
+def _axes_taken(item) -> int:
+    if item is None or item is Ellipsis:
+        return 0
+    if isinstance(item, np.ndarray) and item.dtype == bool:
+        return item.ndim
+    return 1
+
+
+def _bounds(positions: np.ndarray, n: int) -> tuple[int, int]:
+    if positions.size == 0:
+        return 0, 0
+    return int(positions.min()), int(positions.max()) + 1
 
 
 class Store(Mapping):

@@ -14,16 +14,17 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core.errors import StoreError
+from .._drivers.programs import Programs
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
 from . import capture, layout
@@ -145,7 +146,10 @@ class Recorder:
         self._selection = selection
         self._per_batch = pulled.summarize is not None
         self._process, self._processes = jax.process_index(), jax.process_count()
-        existing = layout.read_metadata(path)  # a path that is not a store fails here
+        try:  # (a path that is not a store fails here)
+            existing = layout.read_metadata(path)
+        except layout.HalfMade:  # made again, from the start, on the first call
+            existing = None
         if existing is not None and existing["processes"] != self._processes:
             raise StoreError(
                 f"{path!r} was written by {existing['processes']} processes; this run has "
@@ -158,7 +162,7 @@ class Recorder:
         self._arrays: dict[str, Any] | None = None  # key -> tensorstore array, from the first call
         self._capacity: dict[str, int] = {}  # key -> rows its array holds (some uncommitted)
         self._step_rows = 1
-        self._jitted: dict = {}
+        self._programs = Programs(keep=8)
         self._chunk_batches = chunk_batches
         self._group = 1  # batches per group (one chunk's rows), set on the first call
         self._pending = 0  # batches of the group not yet closed
@@ -174,36 +178,24 @@ class Recorder:
         )
         self._closed = False
 
-    # The step, compiled: one program per argument structure and static leaves.
-
-    def _program(self, args, kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        traced = tuple(eqx.is_array(leaf) for leaf in leaves)
-        static = tuple(None if t else leaf for t, leaf in zip(traced, leaves))
-        dynamic = [leaf for t, leaf in zip(traced, leaves) if t]
-        try:
-            hash(static)
-            key = (treedef, traced, static)
-        except TypeError:  # a static leaf that does not hash: by identity (the step keeps it)
-            key = (treedef, traced, tuple(map(id, static)))
-        jitted = self._jitted.get(key)
-        if jitted is None:
-            jitted = self._jitted[key] = capture.step(self._capture, treedef, traced, static)
-        return jitted, dynamic
+    # The step: traced at every call (the function as it is now: a model's weights, a global),
+    # compiled once per structure of its trace (`Programs`).
 
     def lower(self, *args, **kwargs):
         """The compiled step's `jax.stages.Lowered` for these arguments: `.compile()` gives
-        its HLO (`.as_text()`) and `memory_analysis()`."""
-        jitted, dynamic = self._program(args, kwargs)
-        return jitted.lower(jnp.int32(self._batches), dynamic)
+        its HLO (`.as_text()`) and `memory_analysis()`. Its inputs and outputs are flat: the
+        constants the function reads and the arguments' arrays; the output's arrays, then the
+        captured values'."""
+        step = functools.partial(capture.step, self._capture)
+        return self._programs.lower(step, jnp.int32(self._batches), args, kwargs)
 
     # A call.
 
     def __call__(self, *args, **kwargs):
         if self._closed:
             raise StoreError(f"stx.record to {self.path!r}: the recorder is closed.")
-        jitted, dynamic = self._program(args, kwargs)
-        out, values = jitted(jnp.int32(self._batches), dynamic)
+        step = functools.partial(capture.step, self._capture)
+        out, values = self._programs(step, jnp.int32(self._batches), args, kwargs)
         rows = self._rows_of(values)
         if self._arrays is None:
             self._open(values)
@@ -343,6 +335,7 @@ class Recorder:
         }
         if self.metadata is not None:
             self._check(values, described)
+            self._check_settings()
             if self._process == 0:
                 layout.remove_stale_locks(self.path)
                 for key in described:  # a partial batch after the last committed one goes
@@ -353,13 +346,15 @@ class Recorder:
         batch_rows = 1 if self._per_batch else next(iter(values.values())).shape[0]
         self._step_rows = 4 * self._group * batch_rows
         if self.metadata is None and self._process == 0:
+            metadata = _metadata(
+                described, self._processes, self._capture.subsample, self._selection
+            )
+            layout.begin(self.path, metadata)
             for key, v in values.items():
                 chunk = _chunk(v, self._group if self._processes == 1 else 1)
                 layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), chunk)
-            self.metadata = _metadata(
-                described, self._processes, self._capture.subsample, self._selection
-            )
-            layout.write_metadata(self.path, self.metadata)
+            layout.finish(self.path, metadata)
+            self.metadata = metadata
         if self._processes > 1:  # every process opens what process 0 made
             _barrier(f"statax.record.open:{self.path}", self._processes)
             self.metadata = layout.read_metadata(self.path)
@@ -390,6 +385,10 @@ class Recorder:
         )
         for key in sorted(set(described) & set(held)):
             now, then = described[key], held[key]
+            if "rows" in now and now["rows"] != then["rows"]:
+                problems.append(
+                    f"{key!r}'s rows are {now['rows']}, where the store's are {then['rows']}"
+                )
             if (now["row_shape"], now["dtype"]) != (then["row_shape"], then["dtype"]):
                 problems.append(
                     f"{key!r} is {now['dtype']}{tuple(now['row_shape'])} per row, where the "
@@ -401,6 +400,32 @@ class Recorder:
                 + "; ".join(problems)
                 + f". The store keeps its {self._batches_committed()} committed batches. Record "
                 "what it holds (the same marks, selections and shapes), or to a new path."
+            )
+
+    def _check_settings(self) -> None:
+        """How the store's rows were made (`summarize=`, the subsample and its seed) must be
+        this recorder's: rows made another way, of the same shapes, would be mixed in silently.
+        (The marks and selections show in the keys, which `_check` compares.)"""
+        held = {
+            "summarize=": self.metadata["selection"].get("summarize"),
+            "subsample": self.metadata.get("subsample"),
+        }
+        now = {
+            "summarize=": self._selection["summarize"],
+            "subsample": _subsample(self._capture.subsample),
+        }
+        problems = [
+            f"its {what} is {held[what]!r}, this recorder's {now[what]!r}"
+            for what in now
+            if held[what] != now[what]
+        ]
+        if problems:
+            raise StoreError(
+                f"stx.record to {self.path!r}: the store was recorded otherwise: "
+                + "; ".join(problems)
+                + f". The store keeps its {self._batches_committed()} committed batches, "
+                "unchanged. Record as it was recorded (the same only=, at=, summarize=, "
+                "positions= and seed=), or to a new path."
             )
 
     def _batches_committed(self) -> int:
@@ -499,9 +524,7 @@ def _metadata(keys, processes, subsample, selection) -> dict:
         "keys": keys,
         "rows": "batches" if any(k["rows"] == "batches" for k in keys.values()) else "examples",
         "selection": selection,
-        "subsample": None
-        if subsample is None
-        else dict(zip(("positions", "axis", "seed"), subsample)) | {"key": capture.POSITIONS},
+        "subsample": _subsample(subsample),
         "processes": processes,
         "versions": {
             "statax": _version("statax"),
@@ -513,6 +536,13 @@ def _metadata(keys, processes, subsample, selection) -> dict:
     }
 
 
+def _subsample(subsample) -> dict | None:
+    """The subsample as the metadata holds it."""
+    if subsample is None:
+        return None
+    return dict(zip(("positions", "axis", "seed"), subsample)) | {"key": capture.POSITIONS}
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -521,4 +551,16 @@ def _version(package: str) -> str | None:
 
 
 def _qualname(f) -> str:
-    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+    """A function as the metadata names it: its module and name, and a digest of its code (two
+    lambdas of one module are told apart; the same function, moved in its file, is not)."""
+    name = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        name += f" (code {hashlib.sha1(_code_bytes(code)).hexdigest()[:12]})"
+    return name
+
+
+def _code_bytes(code) -> bytes:
+    """A code object's bytecode, constants and names (nested code objects by their own)."""
+    consts = [_code_bytes(c) if hasattr(c, "co_code") else repr(c).encode() for c in code.co_consts]
+    return b"|".join([code.co_code, *consts, repr(code.co_names).encode()])

@@ -12,6 +12,7 @@ above them. `statax.extend.equinox` holds what statax knows of equinox's private
 (its filter primitives, `noinline` and the masking of its loops' state).
 """
 
+from .._core.cotangents import share as share_taps
 from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
@@ -118,6 +119,7 @@ __all__ = [
     "register_rules",
     "restage_equation",
     "save_inter_p",
+    "share_taps",
     "split_leaves",
     "take",
     "trace",

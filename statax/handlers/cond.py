@@ -33,6 +33,7 @@ from statax.extend import (
     params,
     pull_jaxpr,
     register_exposer,
+    share_taps,
     split_leaves,
     take,
     trace,
@@ -111,6 +112,10 @@ def _cond_exposer(index, *ops, **eqn_params):
     num_out = len(branches[0].out_avals)
     pulled = [pull_jaxpr(branch) for branch in branches]
     slots, where = _slots([p.outs for p in pulled], [p.jaxpr.out_avals[num_out:] for p in pulled])
+    for key in slots:  # one cotangent per slot, whichever branch's tap reads it
+        numbers = [p.outs[w[key]].tap for p, w in zip(pulled, where, strict=True) if key in w]
+        if len(set(numbers) - {None}) > 1:
+            share_taps([n for n in numbers if n is not None])
     in_slots, in_where = _slots(
         [p.ins for p in pulled], [p.jaxpr.in_avals[len(ops) :] for p in pulled]
     )

@@ -210,6 +210,13 @@ def _thread_state(eqn, invals, threading):
     return threading.run(params.custom_primal(eqn.params), invals)
 
 
+# The params that hold the rules (their names across JAX 0.8 -- 0.12): functions made anew at
+# every trace, which a program that is only run does not depend on.
+_RULE_PARAMS = {
+    "jvp": ("jvp_jaxpr_fun", "jvp_jaxpr_thunk"),
+    "vjp": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
+}
+
 for _primitive, _rule in ((custom_jvp_call_p, "jvp"), (custom_vjp_call_p, "vjp")):
     # A custom_vjp function has no JVP to call: the rewritten one is a custom_vjp too.
     register_handler(
@@ -218,4 +225,5 @@ for _primitive, _rule in ((custom_jvp_call_p, "jvp"), (custom_vjp_call_p, "vjp")
         find_saves=_find_saves,
         thread_state=_thread_state,
         selectable=True,  # evaluated again, the function keeps its rule
+        derivative_params=_RULE_PARAMS[_rule],
     )
