@@ -49,9 +49,9 @@ def python_call(fn, x):
 
 _COMPILES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda name, _duration, **_: _COMPILES.append(name)
-    if name == "/jax/core/compile/backend_compile_duration"
-    else None
+    lambda name, _duration, **_: (
+        _COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
 )
 
 
