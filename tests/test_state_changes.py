@@ -29,7 +29,6 @@ from flax import nnx
 
 import statax as stx
 from statax._core import fastpaths as _fastpaths
-
 from statax.testing import assert_tree_allclose
 
 

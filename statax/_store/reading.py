@@ -122,7 +122,7 @@ def numpy_index(index, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple
         else:  # an integer, or an array of them
             positions = np.where(item < 0, item + n, item)
             if np.any((positions < 0) | (positions >= n)):
-                bad = np.asarray(item).ravel()[np.argmax(((positions < 0) | (positions >= n)))]
+                bad = np.asarray(item).ravel()[np.argmax((positions < 0) | (positions >= n))]
                 raise IndexError(f"index {bad} is out of bounds for axis {axis} with size {n}")
             lo, hi = _bounds(positions, n)
             box.append(slice(lo, hi))
