@@ -49,6 +49,10 @@ def main(mode: str, store: str, batches: int, *distributed: str) -> None:
     w = put(WEIGHTS, cols)
     # Killed: "kill-1", a commit per batch; "kill-2", per two batches.
     chunk_batches = int(mode[5:]) if mode.startswith("kill") else None
+    if mode.startswith("die:"):  # killed by process 0 at a step of making or appending
+        chunk_batches = 1
+        if jax.process_index() == 0:
+            die_at(mode[4:], store)
     recorder = stx.record(model, to=store, progress=False, chunk_batches=chunk_batches)
     if mode.startswith("kill"):  # SIGKILL once batch 3's arrays are written, before its commit
         from statax._store import layout
@@ -80,6 +84,33 @@ def main(mode: str, store: str, batches: int, *distributed: str) -> None:
         text = recorder.lower(put(batch(0), rows), w).compile().as_text()
         print("ALL-GATHER" if "all-gather" in text else "NO-ALL-GATHER")
     print("DONE", recorder.batches, flush=True)
+
+
+def die_at(step: str, store: str) -> None:
+    """SIGKILL this process at `step` (`"<what>:<when>"`) of making the store or appending a
+    batch: what is `begin` (the store's making begun), `arrays` (its arrays), `metadata` (its
+    `zarr.json`) or `commit` (the first commit record this run writes); when is `before`,
+    `during` (a half-written file left, as tensorstore's temporary `<name>.__lock`) or
+    `after`."""
+    from statax._store import layout
+
+    what, when = step.split(":")
+    name = {"begin": "begin", "arrays": "new_array", "metadata": "finish", "commit": "write_commit"}
+    original = getattr(layout, name[what])
+    half = {"metadata": "zarr.json.__lock", "commit": "_statax/commit.0.__lock"}
+
+    def dying(*args, **kwargs):
+        if when == "before" or (when == "during" and what != "arrays"):
+            if when == "during":  # a file being written when the process died
+                with open(os.path.join(store, half[what]), "wb") as f:
+                    f.write(b'{"zarr_format": 3, "node_ty')
+            os.kill(os.getpid(), 9)
+        out = original(*args, **kwargs)
+        if when == "after" or what == "arrays":  # (arrays, "during": after the first one)
+            os.kill(os.getpid(), 9)
+        return out
+
+    setattr(layout, name[what], dying)
 
 
 if __name__ == "__main__":
