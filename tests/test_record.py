@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import statax as stx
 from statax._store.writing import Writer
@@ -383,6 +385,70 @@ def test_appending_with_other_keys_shapes_or_dtypes_is_an_error_that_keeps_the_s
         assert_store_equals(stx.open_store(path), before)
 
 
+def _files(path) -> dict:
+    """Every file under `path`, with its bytes."""
+    out = {}
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                out[os.path.relpath(os.path.join(folder, name), path)] = f.read()
+    return out
+
+
+@pytest.mark.parametrize(
+    "first, then, message",
+    [
+        ({}, {"summarize": lambda v: v[0]}, "rows are batches, where the store's are examples"),
+        ({"summarize": lambda v: v[0]}, {}, "rows are examples, where the store's are batches"),
+        ({"summarize": lambda v: v[0]}, {"summarize": lambda v: v[-1]}, "its summarize= is"),
+        ({"positions": 2, "seed": 1}, {"positions": 2, "seed": 2}, "its subsample is"),
+        ({"positions": 2}, {"positions": 3}, "_positions"),
+    ],
+    ids=["summaries-onto-examples", "examples-onto-summaries", "another-summarize", "seed", "k"],
+)
+def test_rows_made_another_way_are_refused_and_the_store_is_untouched(
+    tmp_path, first, then, message
+):
+    """Summary rows on example rows (and the reverse), another `summarize=` of the same
+    shapes, another subsample: a `StoreError`, and not a byte of the store changed."""
+
+    def f(x):
+        stx.save_inter(x[:, None, :] * jnp.ones((1, 3, 1)), name="h")
+        return x
+
+    x = jnp.arange(20.0).reshape(5, 4)
+    path = tmp_path / "s"
+    with stx.record(f, to=path, progress=False, **first) as r:
+        r(x)
+    files = _files(path)
+    recorder = stx.record(f, to=path, progress=False, **then)
+    with pytest.raises(stx.StoreError, match=message) as info:
+        recorder(x)
+    assert "keeps its 1 committed batches" in str(info.value)
+    recorder.close()
+    assert _files(path) == files
+    store = stx.open_store(path)
+    assert store.batches_committed == 1 and store["h_0"][:].shape[0] == (
+        1 if "summarize" in first else 5
+    )
+
+
+def test_the_same_recording_again_appends(tmp_path):
+    """The same settings (a function's digest, not its name or line) append."""
+
+    def f(x):
+        stx.save_inter(x * 1.0, name="h")
+        return x
+
+    def record(**kwargs):
+        with stx.record(f, to=tmp_path / "s", progress=False, **kwargs) as r:
+            r(jnp.ones((5, 4)))
+
+    record(summarize=jnp.mean)
+    record(summarize=jnp.mean)
+    assert stx.open_store(tmp_path / "s").batches_committed == 2
+
+
 def test_a_path_that_is_not_a_store(tmp_path):
     (tmp_path / "file").write_text("hello")
     with pytest.raises(stx.StoreError, match="is a file, not a store"):
@@ -577,6 +643,124 @@ def test_batches_shuffle_across_recorded_batches_and_give_each_row_once(tmp_path
     assert sorted(every) == list(range(200))
     plain = np.concatenate([b["x_0"][:, 0] for b in store.batches(50, shuffle=False)])
     np.testing.assert_array_equal(plain, np.arange(200))
+
+
+def test_a_stored_array_indexes_as_numpy_does(tmp_path):
+    """Every index NumPy takes (negative, past the end, steps, integer and boolean arrays,
+    `None`, `...`), and NumPy's IndexError for those it refuses, on the same array."""
+    rows = np.arange(10 * 4 * 3, dtype=np.float32).reshape(10, 4, 3)
+
+    def f(x):
+        stx.save_inter(x, name="x")
+        return x
+
+    with stx.record(f, to=tmp_path / "s", progress=False) as r:
+        r(jnp.asarray(rows[:6]))
+        r(jnp.asarray(rows[6:]))
+    stored = stx.open_store(tmp_path / "s")["x_0"]
+    np.testing.assert_array_equal(np.asarray(stored), rows)
+    for index in INDICES:
+        np.testing.assert_array_equal(stored[index], rows[index], err_msg=repr(index))
+    for index in (10, -11, np.s_[0, 0, 0, 0], np.s_[:, 4], np.s_[[0, 10]], np.s_[..., ...]):
+        with pytest.raises(IndexError):
+            rows[index]
+        with pytest.raises(IndexError):
+            stored[index]
+
+
+INDICES = [
+    -1,
+    np.s_[-3:],
+    np.s_[0, -1],
+    np.s_[8:100],
+    np.s_[:, 2:9],
+    np.s_[::-1],
+    np.s_[::-3],
+    np.s_[5:1:-2],
+    np.s_[-100:3],
+    np.s_[1:1],
+    np.s_[..., 1],
+    np.s_[None, 2],
+    np.s_[3, ..., None],
+    np.s_[[1, -2, 3]],
+    np.s_[[1, 2], [0, 3]],
+    np.s_[:, [0, -1], 1:],
+    np.s_[[0, 1], :, [2, 1]],
+    np.s_[np.array([[1, 2], [3, 4]])],
+    np.s_[np.arange(10) % 3 == 0],
+    np.s_[:, np.array([True, False, True, True])],
+    np.s_[[]],
+    np.s_[np.int64(-2), 1::2],
+    (),
+]
+
+
+@given(index=st.data())
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_numpy_index_against_numpy(index):
+    """`numpy_index` (what a stored array reads, then how it indexes it) against NumPy on random
+    indices of random shapes."""
+    from statax._store.reading import numpy_index
+
+    draw = index.draw
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+    array = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    number = st.integers(-7, 7)
+    item = st.one_of(
+        number,
+        st.builds(
+            slice,
+            st.none() | number,
+            st.none() | number,
+            st.none() | st.sampled_from([-3, -1, 1, 2]),
+        ),
+        st.lists(number, max_size=3),
+        st.lists(number, max_size=3).map(np.array),
+        st.lists(st.booleans(), max_size=5).map(np.array),
+        st.just(None),
+        st.just(Ellipsis),
+    )
+    index = tuple(draw(st.lists(item, max_size=4)))
+    try:
+        want = array[index]
+    except (IndexError, ValueError):
+        with pytest.raises((IndexError, ValueError)):
+            box, local = numpy_index(index, shape)
+            array[box][local]
+        return
+    box, local = numpy_index(index, shape)
+    assert all(s.step in (None, 1) and 0 <= s.start <= s.stop <= n for s, n in zip(box, shape))
+    np.testing.assert_array_equal(array[box][local], want)
+
+
+# ---- axis= by name, as only= names marks --------------------------------------------------------
+
+
+def test_axis_names_a_mark_as_only_does_and_an_entry_naming_none_is_an_error(tmp_path):
+    """`axis={"resid": 1}` gives every occurrence of `resid` (a scan over layers stores the
+    layers along axis 0, the examples along 1); a key gives one; an entry naming no key fails."""
+
+    def f(x):
+        def layer(h, _):
+            h = jnp.tanh(h)
+            return h, stx.save_inter(h, name="resid")
+
+        h, _ = jax.lax.scan(layer, x, None, length=3)  # resid_0: (layers, examples, features)
+        stx.save_inter(h * 2, name="out")
+        return h
+
+    x = batch(0)
+    inters = stx.pull(f)(x)[1]
+    for entry in ("resid", "resid_0"):
+        with stx.record(f, to=tmp_path / entry, axis={entry: 1}, progress=False) as r:
+            r(x)
+        store = stx.open_store(tmp_path / entry)
+        np.testing.assert_allclose(store["resid_0"][:], np.moveaxis(inters["resid_0"], 1, 0))
+        np.testing.assert_allclose(store["out_0"][:], inters["out_0"])
+    recorder = stx.record(f, to=tmp_path / "bad", axis={"resdi": 1}, progress=False)
+    with pytest.raises(stx.StoreError, match=r"'resdi' names no key.*resid_0"):
+        recorder(x)
+    recorder.close()
 
 
 # ---- random programs against the hand-threaded reference ----------------------------------------

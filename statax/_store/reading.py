@@ -139,11 +139,11 @@ def _as_index(item):
         raise IndexError("a boolean scalar index is not supported; index with an array")
     if isinstance(item, (int, np.integer)):
         return np.asarray(int(item))
+    if isinstance(item, list) and not item:  # NumPy reads [] as an integer index
+        return np.zeros(0, np.intp)
     array = np.asarray(item)
     if array.dtype == bool or np.issubdtype(array.dtype, np.integer):
         return array
-    if array.size == 0 and array.dtype == np.float64:  # NumPy reads [] as an integer index
-        return array.astype(np.intp)
     raise IndexError(
         "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and integer or "
         f"boolean arrays are valid indices (got {type(item).__name__})"
