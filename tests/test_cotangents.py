@@ -387,6 +387,35 @@ def test_a_loop_or_branch_under_vmap_inside_grad_gives_its_cotangent(kind, jit):
     assert_tree_allclose(doubled, jax.grad(by_hand)(0.5))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_batched_cond_with_one_name_in_both_branches_gives_one_cotangent(jit):
+    """Issue 47: under a `vmap` inside `grad`, the predicate batched, JAX runs both branches
+    and selects; a mark of one name in each (one slot) has one cotangent, each example's from
+    the branch it took: the cotangent by hand, with a perturbation added at the slot."""
+
+    def g(x, e):
+        def a(x):
+            return (stx.save_inter(jnp.sin(x), name="c") + e) * 2.0
+
+        def b(x):
+            return (stx.save_inter(jnp.cos(x) * x, name="c") + e) * 3.0
+
+        return jax.lax.cond(jnp.sum(x) > 0, a, b, x)
+
+    def loss(xs, es):
+        return jnp.sum(jax.vmap(g)(xs, es) ** 2)
+
+    xs = jnp.array([[0.3, 0.5], [-0.7, 0.2], [-0.1, -0.4]])  # branches a, b, b
+    zeros = jnp.zeros_like(xs)
+    step = lambda xs: jax.grad(loss)(xs, zeros)  # noqa: E731
+    grads, inters = stx.pull(jax.jit(step) if jit else step, cotangents=True)(xs)
+    assert sorted(inters) == ["c_0", "c_0.grad"]
+    assert_tree_allclose(inters["c_0.grad"], jax.grad(loss, argnums=1)(xs, zeros))
+    assert_tree_allclose(grads, jax.grad(loss)(xs, zeros))
+    want = jnp.where(jnp.sum(xs, 1, keepdims=True) > 0, jnp.sin(xs), jnp.cos(xs) * xs)
+    assert_tree_allclose(inters["c_0"], want)
+
+
 def test_first_nonfinite_inside_a_vmapped_scan_inside_the_grad():
     def per_example(w, x):
         def body(h, xt):

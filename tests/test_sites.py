@@ -17,8 +17,13 @@ from .test_select_libraries import IDS, _stateless, gpt2, keras_model, penzai_lm
 pytestmark = pytest.mark.usefixtures("allow_rank_promotion")  # (Keras, transformers)
 
 
+def _arrays(tree) -> list:
+    """The array leaves of `tree` (a Python bool beside them is no array)."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, (jax.Array, np.ndarray))]
+
+
 def _arrays_bytes(tree) -> int:
-    return sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
+    return sum(x.nbytes for x in _arrays(tree))
 
 
 def check_against_pull(fn, args, found, per_kind=4):
@@ -33,7 +38,7 @@ def check_against_pull(fn, args, found, per_kind=4):
             mine = {k: v for k, v in got.items() if kind == "mark" or k not in marks}
             mine = {k: v for k, v in mine.items() if k.rsplit("_", 1)[0] == site.place}
             assert mine, (kind, site.place, list(got))
-            first = jax.tree_util.tree_leaves(list(mine.values()))[0]
+            first = _arrays(list(mine.values()))[0]
             if kind != "primitive":  # (a primitive's shape is its first equation's)
                 assert site.shape == first.shape, site
                 assert site.calls == len(mine), site
@@ -138,6 +143,37 @@ def test_linen_modules_inside_an_nn_jit_method_are_listed_as_pull_selects_them()
     _, got = stx.pull(net.apply, at=stx.scopes("_JitMethodNet/block_*"))(params, x)
     assert found.bytes(stx.scopes("_JitMethodNet/block_*")) == _arrays_bytes(got) == 64
     check_against_pull(net.apply, (params, x), found, per_kind=6)
+
+
+class _Flagged(nn.Module):
+    """A module that returns a Python bool beside its array, as gemma's blocks return flags."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(4)(x)), True
+
+
+class _FlagNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h, _ = _Flagged(name="flagged")(x)
+        _, flag = _Flagged(name="only_flag")(h)
+        return h if flag else -h
+
+
+def test_a_scope_whose_value_holds_a_python_bool_is_listed_as_it_is():
+    """Issue 47: a value with a non-array leaf is listed (its first array's shape, or, with no
+    array, the leaf's type), as `pull` returns it."""
+    net = _FlagNet()
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    params = net.init(jax.random.key(0), x)
+    found = stx.sites(net.apply)(params, x)
+    flagged = found.find("_FlagNet/flagged", "scope")
+    assert (flagged.shape, flagged.dtype) == ((2, 4), "float32")
+    _, got = stx.pull(net.apply, at=stx.scopes("_FlagNet/flagged"))(params, x)
+    assert got["_FlagNet/flagged_0"][1] is True
+    assert flagged.nbytes == got["_FlagNet/flagged_0"][0].nbytes == 32  # (the bool is no array)
+    check_against_pull(net.apply, (params, x), found)
 
 
 def test_nnx_modules():

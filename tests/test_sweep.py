@@ -4,6 +4,7 @@ mode), against the loop of `stx.plant` calls it replaces on real models (Hugging
 GPT-2 with an IOI-style pair of prompts, an equinox transformer, Flax NNX, penzai), attribution
 against the first-order term by hand (`jax.jvp`), and every bad input."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -594,6 +595,53 @@ def test_bad_input_is_an_error_that_says_what_and_where(small):
         stx.sweep(conditional, identity, args, mode="zero")
     ok = stx.sweep(conditional, identity, args, mode="zero", sites=["h"])
     assert list(ok.sites) == ["h_0"]
+
+
+def test_edge_cases_of_the_arguments(small):
+    """Issue 47: `batch_size` not a positive int, a function with no site, `axes=` naming no
+    site, `sites=` a string, attribution at a site of integers."""
+    model, _ = small
+    args, other = (model.clean, model.ws), (model.corrupted, model.ws)
+    identity = lambda out: out  # noqa: E731
+    for size in (0, -3, 1.5, True):
+        with pytest.raises(stx.SweepError, match=f"batch_size={size!r}; it is how many"):
+            stx.sweep(model, identity, args, other, batch_size=size)
+    with pytest.raises(stx.SweepError, match="has no site to patch.*stx.sites"):
+        stx.sweep(lambda x, ws: jnp.sum(x, axis=(-2, -1)), identity, args, mode="zero")
+    with pytest.raises(stx.SweepError, match=r"\['resdi'\] name no site.*'resid_0'"):
+        stx.sweep(model, identity, args, other, axes={"resdi": {"position": 1}})
+    one = stx.sweep(model, identity, args, other, sites="resid")  # a string: one site or name
+    assert list(one.sites) == [k for k in stx.pull(model)(*args)[1] if k.startswith("resid_")]
+    assert one.values == stx.sweep(model, identity, args, other, sites=["resid"]).values
+
+    def with_ids(ids, x):
+        ids = stx.save_inter(ids, name="ids")
+        h = stx.save_inter(x * ids[:, None].astype(x.dtype), name="h")
+        return jnp.sum(h, axis=-1)
+
+    ids, x = jnp.array([1, 2, 3]), jnp.ones((3, 4))
+    clean, corrupted = (ids, x), (ids + 1, x * 2)
+    with pytest.raises(stx.SweepError, match=r"site 'ids_0' \(saved at .*\) holds int32"):
+        stx.sweep(with_ids, jnp.mean, clean, corrupted, method="attribution")
+    exact = stx.sweep(with_ids, jnp.mean, clean, corrupted)  # the exact sweep patches ids too
+    assert list(exact.sites) == ["ids_0", "h_0"]
+    assert stx.sweep(with_ids, jnp.mean, clean, corrupted, sites="h", method="attribution")
+
+
+def test_an_equinox_model_as_an_argument():
+    """Its non-array leaves (activation functions) are static, as `pull` takes them."""
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0))
+    x1, x0 = jnp.ones((3, 4)), jnp.zeros((3, 4))
+    fn = lambda m, x: jax.vmap(m)(x)[:, 0]  # noqa: E731
+    at = stx.modules("layers[0]")
+    result = stx.sweep(fn, jnp.mean, (mlp, x1), (mlp, x0), at=at, axes={"unit": 1})
+    values = stx.pull(fn, at=at)(mlp, x1)[1]
+    for unit in range(8):  # each unit of the clean run's first layer into the corrupted run
+        source = values["layers[0]_0"]
+        base = stx.pull(fn, at=at)(mlp, x0)[1]["layers[0]_0"]
+        patched = base.at[:, unit].set(source[:, unit])
+        want = jnp.mean(stx.plant(fn, at=at)({"layers[0]_0": patched}, mlp, x0))
+        np.testing.assert_allclose(result["layers[0]_0"][unit], want, rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_inputs_and_patches_sharded_over_devices(small):

@@ -7,27 +7,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import re
-import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 
 from .._core.context import within
 from .._core.errors import SelectionError
 from .._core.meta import StateMeta
 from .._core.primitive import save_inter
-from .report import closest
+from .paths import is_leaf, is_module, model_roots, resolve, resolve_in
 from .vocabulary import Modules, Selection, describe_selections
 
 __all__ = [
     "calls_checked",
     "calls_recorded",
-    "model_roots",
-    "module_paths",
     "objects_marked",
     "uncalled_tolerated",
 ]
@@ -73,7 +68,7 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                     if not roots:
                         continue
                 for path in selection.paths:
-                    for name, obj, place in _resolve_in(roots, path):
+                    for name, obj, place in resolve_in(roots, path):
                         if _by_class(obj, place):
                             targets.setdefault(id(obj), (obj, name, selection))
                         else:  # (a function: marked where it is held, one per place)
@@ -99,10 +94,10 @@ def objects_marked(at: tuple[Selection, ...], call: tuple | None = None):
                 cls = type(obj)
                 if getattr(cls, "_statax_marks", None) is None:
                     marking = _marking(cls, name, selection.inputs, selection.reduce)
-                    node = not _is_leaf(obj)
+                    node = not is_leaf(obj)
                     object.__setattr__(obj, "__class__", marking)
                     swapped.append((obj, cls))
-                    if node and _is_leaf(obj):  # (a pytree node by its exact class: penzai)
+                    if node and is_leaf(obj):  # (a pytree node by its exact class: penzai)
                         _register_as(marking, cls)
             if shadows:
                 ids = _SHADOWS.get() | {id(o) for o, _, _, _ in shadows}
@@ -145,7 +140,7 @@ def _shadows(at, call, targets: dict) -> list:
                 continue
             for path in selection.paths:
                 try:
-                    resolved = _resolve(copy, path)
+                    resolved = resolve(copy, path)
                 except (SelectionError, AttributeError, IndexError, KeyError, TypeError):
                     continue
                 for name, obj, place in resolved:
@@ -245,23 +240,6 @@ def calls_recorded():
     return within(_CALLED, {})
 
 
-def module_paths(root, limit: int = 4096) -> list[str]:
-    """The paths (`"blocks[0].mlp"`) of the callable models inside `root`, outermost first,
-    as `stx.modules` takes them: what `stx.sites` lists."""
-    paths, seen, queue = [], {id(root)}, [("", root)]
-    while queue and len(paths) < limit:
-        name, obj = queue.pop(0)
-        for child, value in _children(obj):
-            if id(value) in seen or isinstance(value, (str, int, float, jax.Array)):
-                continue
-            seen.add(id(value))
-            path = _join(name, child)
-            if _is_module(value):
-                paths.append(path)
-            queue.append((path, value))
-    return paths
-
-
 def with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
     with (
         calls_recorded() as called,
@@ -273,25 +251,6 @@ def with_modules(call, chosen: tuple[Modules, ...], fn, tree, *args, **kwargs):
     if uncalled is not None:  # (always, inside a `pull`: see `calls_checked`)
         uncalled.extend((name, chosen) for name in (*given, *found) if name not in called)
     return out
-
-
-def _is_module(x) -> bool:
-    """Whether `x` is a model: an `eqx.Module`, a Flax NNX module (not one of its variables),
-    or another callable object that is a pytree node (a penzai layer, a dataclass registered
-    with `jax.tree_util`), not a function."""
-    if isinstance(x, eqx.Module):
-        return True
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(x, nnx.Module):
-        return True
-    return callable(x) and not isinstance(x, _NOT_MODELS) and not _is_leaf(x)
-
-
-_NOT_MODELS = (type, types.FunctionType, types.MethodType, functools.partial, jax.tree_util.Partial)
-
-
-def _is_leaf(x) -> bool:
-    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
 def _register_as(marking: type, cls: type) -> None:
@@ -340,110 +299,8 @@ def _rebuilt(of, call) -> list:
     return [
         c
         for c in candidates
-        if c is not of and _is_module(c) and jax.tree_util.tree_structure(c) == structure
+        if c is not of and is_module(c) and jax.tree_util.tree_structure(c) == structure
     ]
-
-
-def model_roots(fn, tree, args, kwargs) -> list:
-    """The models paths may start from: the callable where it is a module (or a method of
-    one, or wraps one, as `jax.vmap(model)` does), then the arguments that are."""
-    wrapped = []
-    while fn is not None and len(wrapped) < 8:
-        wrapped.append(fn)
-        fn = getattr(fn, "__self__", None) or getattr(fn, "__wrapped__", None)
-    roots = [c for c in (tree, *wrapped, *args, *kwargs.values()) if _is_module(c)]
-    if roots:
-        return list({id(r): r for r in roots}.values())
-    raise SelectionError(
-        "stx.modules found no model to start its paths from: neither the function nor any of "
-        "its arguments is an eqx.Module or a Flax NNX module. Pass the model as `of=`: "
-        "stx.modules('blocks[0]', of=model)."
-    )
-
-
-def _resolve_in(roots: list, path) -> list[tuple[str, Any]]:
-    """`_resolve` in the first of `roots` where `path` is found (a `filter_jit` wrapper is a
-    module too, but not the model); where it is in none, the last one's error."""
-    for i, root in enumerate(roots):
-        try:
-            return _resolve(root, path)
-        except SelectionError:
-            if i == len(roots) - 1:
-                raise
-    return []
-
-
-_TOKEN = re.compile(r"\[([^\]]*)\]|([^.\[\]/]+)")
-
-
-def _resolve(root, path) -> list[tuple[str, Any, tuple]]:
-    """`[(name, object, (parent, key))]` that `path` selects in `root`: where the object is
-    held (`(None, None)` for the root, or for an object a function of the model gave)."""
-    if callable(path) and not isinstance(path, str):
-        found = path(root)
-        objs = found if isinstance(found, (list, tuple)) else [found]
-        return [(_path_of(root, obj), obj, (None, None)) for obj in objs]
-    found = [("", root, (None, None))]
-    for match in _TOKEN.finditer(path):
-        step = match[1] if match[1] is not None else match[2]
-        found = [item for name, obj, _ in found for item in _step(name, obj, step, path)]
-    return found
-
-
-def _children(obj) -> list[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        return [(f"[{k!r}]", v) for k, v in obj.items()]
-    if isinstance(obj, (list, tuple)) or (hasattr(obj, "__len__") and hasattr(obj, "__getitem__")):
-        try:
-            return [(f"[{i}]", obj[i]) for i in range(len(obj))]
-        except (TypeError, KeyError):
-            pass
-    fields = getattr(obj, "__dict__", {})
-    return [(f".{k}", v) for k, v in fields.items() if not k.startswith("_")]
-
-
-def _step(name: str, obj, step: str, path: str) -> list[tuple[str, Any, tuple]]:
-    children = _children(obj)
-    if step == "*":
-        items = [(_join(name, c), v, (obj, c)) for c, v in children if not c.startswith(".")]
-        if items:
-            return items
-        raise SelectionError(
-            f"stx.modules({path!r}): '*' selects the items of a list, tuple or dict, and "
-            f"{type(obj).__name__} at {name or 'the model'!r} is none. Name one of its fields: "
-            f"{closest(_join(name, '.'), [_join(name, c) for c, _ in children])}."
-        )
-    for child, value in children:
-        if child in (f".{step}", f"[{step}]", f"['{step}']"):
-            return [(_join(name, child), value, (obj, child))]
-    if not isinstance(obj, (dict, list, tuple)) and hasattr(obj, step):  # a property, a field
-        return [(_join(name, f".{step}"), getattr(obj, step), (None, None))]
-    options = [_join(name, c) for c, _ in children]
-    raise SelectionError(
-        f"stx.modules({path!r}): {type(obj).__name__} at {name or 'the model'!r} has no "
-        f"{step!r}. There is: {closest(_join(name, '.' + step), options)}."
-    )
-
-
-def _join(name: str, child: str) -> str:
-    return (name + child).lstrip(".")
-
-
-def _path_of(root, target) -> str:
-    """The path of `target` in `root` (for a `where` function's result), breadth first."""
-    seen, queue = {id(root)}, [("", root)]
-    while queue:
-        name, obj = queue.pop(0)
-        if obj is target:
-            return name or "model"
-        for child, value in _children(obj):
-            if id(value) not in seen and not isinstance(value, (str, int, float, jax.Array)):
-                seen.add(id(value))
-                queue.append((_join(name, child), value))
-    raise SelectionError(
-        f"stx.modules: the object the function returned ({type(target).__name__}) is not "
-        f"found in the model ({type(root).__name__})."
-    )
 
 
 def _by_class(obj, place) -> bool:
@@ -452,7 +309,7 @@ def _by_class(obj, place) -> bool:
     callables a model holds (a function, a `functools.partial`, `jax.nn.relu`, whose class
     cannot be subclassed or assigned, or is JAX's own) are marked where they are held
     (`_marking_call`), one key per call."""
-    if _is_module(obj):
+    if is_module(obj):
         return True
     if place is not None and place[0] is not None:
         return False

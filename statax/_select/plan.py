@@ -37,12 +37,11 @@ from .linen import with_linen
 from .objects import (
     calls_checked,
     calls_recorded,
-    model_roots,
-    module_paths,
     objects_marked,
     uncalled_tolerated,
     with_modules,
 )
+from .paths import model_roots, module_paths
 from .places import collected, collected_staged, with_places
 from .report import places_in
 from .running import modules_recorded, run_marked

@@ -25,6 +25,8 @@ import shutil
 import urllib.parse
 from typing import Any
 
+import numpy as np
+
 from .._core.errors import StoreError
 from .._monitor.optional import require
 
@@ -33,19 +35,23 @@ __all__ = [
     "HalfMade",
     "array_path",
     "begin",
+    "chunk_shape",
     "array_spec",
     "committed",
+    "cut",
     "finish",
     "kvstore",
     "new_array",
     "open_array",
     "read_metadata",
+    "region",
     "remove_stale_locks",
     "tensorstore",
     "write_commit",
 ]
 
 FORMAT = 1  # the layout's version, in the metadata
+CHUNK_BYTES = 64 << 20  # a chunk holds at most this much (fewer rows of a shard)
 _GROUP = "zarr.json"
 _COMMITS = "_statax/"
 _MAKING = "_statax/making.json"
@@ -179,3 +185,28 @@ def open_array(path: str, key: str, read_only: bool = False) -> Any:
     ts = tensorstore()
     mode = {"read": True} if read_only else {"read": True, "write": True}
     return ts.open(array_spec(path, key), **mode).result()
+
+
+def cut(array, rows: int) -> None:
+    """`array` cut (or grown) to `rows` rows, its metadata only."""
+    array.resize(
+        exclusive_max=[rows, *[None] * (array.rank - 1)], resize_metadata_only=True
+    ).result()
+
+
+def region(index: slice, start: int, length: int) -> slice:
+    """A shard's rows (`index` into a batch of `length`) in the store, the batch at `start`."""
+    lo, hi, _ = index.indices(length)
+    return slice(start + lo, start + hi)
+
+
+def chunk_shape(value: Any, group: int) -> tuple:
+    """A chunk: one shard's columns, and its rows of one batch (several processes: each
+    writes its own chunks), or `group` batches' rows (one process, which holds them all);
+    fewer rows where that passes `CHUNK_BYTES`."""
+    shard = value.sharding.shard_shape(value.shape)
+    row = int(np.prod(shard[1:], dtype=np.int64)) * value.dtype.itemsize
+    rows = max(1, shard[0] if group == 1 else value.shape[0] * group)
+    while rows > 1 and rows * row > CHUNK_BYTES:
+        rows = next(d for d in range(rows // 2, 0, -1) if shard[0] % d == 0)
+    return (rows, *[max(1, n) for n in shard[1:]])

@@ -3,6 +3,7 @@ training from it."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -86,13 +87,28 @@ def numpy_index(index, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple
         )
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    rest = [slice(None)] * (len(shape) - consumed)  # what `...` (or the end) stands for
-    at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
-    items[at : at + 1] = rest
+    rest = len(shape) - consumed  # the axes `...` (or the end) stands for
+    if not any(item is Ellipsis for item in items):
+        items.append(Ellipsis)
+    # Integer arrays that broadcast to nothing select nothing: NumPy checks none of them.
+    arrays = [i.shape for i in items if isinstance(i, np.ndarray) and i.ndim and i.dtype != bool]
+    arrays += [(int(i.sum()),) for i in items if isinstance(i, np.ndarray) and i.dtype == bool]
+    try:
+        empty = bool(arrays) and math.prod(np.broadcast_shapes(*arrays)) == 0
+    except ValueError:
+        raise IndexError(
+            "shape mismatch: indexing arrays could not be broadcast together with shapes "
+            + " ".join(map(str, arrays))
+        ) from None
     box, local, axis = [], [], 0
     for item in items:
         if item is None:
             local.append(None)
+            continue
+        if item is Ellipsis:  # kept in the local index: NumPy places advanced axes by it
+            box += [slice(0, n) for n in shape[axis : axis + rest]]
+            local.append(Ellipsis)
+            axis += rest
             continue
         if isinstance(item, np.ndarray) and item.dtype == bool:
             dims = shape[axis : axis + item.ndim]
@@ -121,6 +137,11 @@ def numpy_index(index, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple
                 local.append(slice(taken[0] - lo, None if end < 0 else end, step))
         else:  # an integer, or an array of them
             positions = np.where(item < 0, item + n, item)
+            if empty and positions.ndim:
+                box.append(slice(0, 0))
+                local.append(np.zeros_like(positions))
+                axis += 1
+                continue
             if np.any((positions < 0) | (positions >= n)):
                 bad = np.asarray(item).ravel()[np.argmax((positions < 0) | (positions >= n))]
                 raise IndexError(f"index {bad} is out of bounds for axis {axis} with size {n}")

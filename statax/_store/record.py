@@ -12,10 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
 import functools
-import hashlib
-import importlib.metadata
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,12 +24,11 @@ from .._core.errors import StoreError
 from .._drivers.programs import Programs
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
-from . import capture, layout
+from . import capture, layout, metadata
 from .writing import Writer
 
 __all__ = ["Recorder", "record"]
 
-_CHUNK_BYTES = 64 << 20  # a chunk holds at most this much (fewer rows of a shard)
 _GROUP_BYTES = 16 << 20  # one process's consecutive batches are one chunk up to this much
 
 
@@ -118,7 +114,7 @@ def record(
         selection={
             "only": None if only is None else repr(only),
             "at": [str(selection) for selection in pulled.at],
-            "summarize": None if summarize is None else _qualname(summarize),
+            "summarize": None if summarize is None else metadata.qualname(summarize),
         },
     )
 
@@ -246,7 +242,7 @@ class Recorder:
                     self._grow(key, end)
                 staged = []
                 for key, index, length, data in pieces:
-                    region = (_shift(index[0], start, length), *index[1:])
+                    region = (layout.region(index[0], start, length), *index[1:])
                     array = self._arrays[key].with_transaction(group.transaction)
                     # (a jax array is immutable: its buffer is read in place, not copied)
                     source = np.asarray(data)
@@ -340,21 +336,21 @@ class Recorder:
                 layout.remove_stale_locks(self.path)
                 for key in described:  # a partial batch after the last committed one goes
                     end = self._batches if self._per_batch else self._rows
-                    _cut(layout.open_array(self.path, key), end)
+                    layout.cut(layout.open_array(self.path, key), end)
         self._group = self._group_size(values)
         # Arrays grow by at least four groups' rows at a time (a resize rewrites metadata).
         batch_rows = 1 if self._per_batch else next(iter(values.values())).shape[0]
         self._step_rows = 4 * self._group * batch_rows
         if self.metadata is None and self._process == 0:
-            metadata = _metadata(
+            made = metadata.made(
                 described, self._processes, self._capture.subsample, self._selection
             )
-            layout.begin(self.path, metadata)
+            layout.begin(self.path, made)
             for key, v in values.items():
-                chunk = _chunk(v, self._group if self._processes == 1 else 1)
+                chunk = layout.chunk_shape(v, self._group if self._processes == 1 else 1)
                 layout.new_array(self.path, str(key), v.shape[1:], str(v.dtype), chunk)
-            layout.finish(self.path, metadata)
-            self.metadata = metadata
+            layout.finish(self.path, made)
+            self.metadata = made
         if self._processes > 1:  # every process opens what process 0 made
             _barrier(f"statax.record.open:{self.path}", self._processes)
             self.metadata = layout.read_metadata(self.path)
@@ -377,23 +373,7 @@ class Recorder:
             str(k): {"row_shape": list(v.shape[1:]), "dtype": str(v.dtype)}
             for k, v in values.items()
         }
-        held = self.metadata["keys"]
-        problems = [f"keys {sorted(set(described) - set(held))} are new"] * bool(
-            set(described) - set(held)
-        ) + [f"keys {sorted(set(held) - set(described))} are missing"] * bool(
-            set(held) - set(described)
-        )
-        for key in sorted(set(described) & set(held)):
-            now, then = described[key], held[key]
-            if "rows" in now and now["rows"] != then["rows"]:
-                problems.append(
-                    f"{key!r}'s rows are {now['rows']}, where the store's are {then['rows']}"
-                )
-            if (now["row_shape"], now["dtype"]) != (then["row_shape"], then["dtype"]):
-                problems.append(
-                    f"{key!r} is {now['dtype']}{tuple(now['row_shape'])} per row, where the "
-                    f"store holds {then['dtype']}{tuple(then['row_shape'])}"
-                )
+        problems = metadata.keys_problems(self.metadata["keys"], described)
         if problems:
             raise StoreError(
                 f"stx.record to {self.path!r}: this batch does not fit the store: "
@@ -403,22 +383,9 @@ class Recorder:
             )
 
     def _check_settings(self) -> None:
-        """How the store's rows were made (`summarize=`, the subsample and its seed) must be
-        this recorder's: rows made another way, of the same shapes, would be mixed in silently.
-        (The marks and selections show in the keys, which `_check` compares.)"""
-        held = {
-            "summarize=": self.metadata["selection"].get("summarize"),
-            "subsample": self.metadata.get("subsample"),
-        }
-        now = {
-            "summarize=": self._selection["summarize"],
-            "subsample": _subsample(self._capture.subsample),
-        }
-        problems = [
-            f"its {what} is {held[what]!r}, this recorder's {now[what]!r}"
-            for what in now
-            if held[what] != now[what]
-        ]
+        """How the store's rows were made must be this recorder's (`settings_problems`)."""
+        subsample = self._capture.subsample
+        problems = metadata.settings_problems(self.metadata, self._selection, subsample)
         if problems:
             raise StoreError(
                 f"stx.record to {self.path!r}: the store was recorded otherwise: "
@@ -464,7 +431,7 @@ class Recorder:
         _barrier(f"statax.record.close:{self.path}", self._processes)
         if self._process == 0:
             for array in self._arrays.values():
-                _cut(array, self._batches if self._per_batch else self._rows)
+                layout.cut(array, self._batches if self._per_batch else self._rows)
 
     def __enter__(self) -> Recorder:
         return self
@@ -473,36 +440,12 @@ class Recorder:
         self.close()
 
 
-def _cut(array, rows: int) -> None:
-    array.resize(
-        exclusive_max=[rows, *[None] * (array.rank - 1)], resize_metadata_only=True
-    ).result()
-
-
 def _barrier(name: str, processes: int) -> None:
     """Every process waits here for the others (JAX's multi-process runtime)."""
     if processes > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def _shift(index: slice, start: int, length: int) -> slice:
-    """A shard's rows (`index` into a batch of `length`) in the store, the batch at `start`."""
-    lo, hi, _ = index.indices(length)
-    return slice(start + lo, start + hi)
-
-
-def _chunk(value: jax.Array, group: int) -> tuple:
-    """A chunk: one shard's columns, and its rows of one batch (several processes: each
-    writes its own chunks), or `group` batches' rows (one process, which holds them all);
-    fewer rows where that passes `_CHUNK_BYTES`."""
-    shard = value.sharding.shard_shape(value.shape)
-    row = int(np.prod(shard[1:], dtype=np.int64)) * value.dtype.itemsize
-    rows = max(1, shard[0] if group == 1 else value.shape[0] * group)
-    while rows > 1 and rows * row > _CHUNK_BYTES:
-        rows = next(d for d in range(rows // 2, 0, -1) if shard[0] % d == 0)
-    return (rows, *[max(1, n) for n in shard[1:]])
 
 
 @dataclasses.dataclass
@@ -516,51 +459,3 @@ class _Group:
         default_factory=concurrent.futures.Future
     )
     last: tuple = (0, 0)  # the commit record once it is committed: (batches, rows)
-
-
-def _metadata(keys, processes, subsample, selection) -> dict:
-    return {
-        "format": layout.FORMAT,
-        "keys": keys,
-        "rows": "batches" if any(k["rows"] == "batches" for k in keys.values()) else "examples",
-        "selection": selection,
-        "subsample": _subsample(subsample),
-        "processes": processes,
-        "versions": {
-            "statax": _version("statax"),
-            "jax": jax.__version__,
-            "jaxlib": _version("jaxlib"),
-            "tensorstore": _version("tensorstore"),
-        },
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-
-
-def _subsample(subsample) -> dict | None:
-    """The subsample as the metadata holds it."""
-    if subsample is None:
-        return None
-    return dict(zip(("positions", "axis", "seed"), subsample)) | {"key": capture.POSITIONS}
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _qualname(f) -> str:
-    """A function as the metadata names it: its module and name, and a digest of its code (two
-    lambdas of one module are told apart; the same function, moved in its file, is not)."""
-    name = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
-    code = getattr(f, "__code__", None)
-    if code is not None:
-        name += f" (code {hashlib.sha1(_code_bytes(code)).hexdigest()[:12]})"
-    return name
-
-
-def _code_bytes(code) -> bytes:
-    """A code object's bytecode, constants and names (nested code objects by their own)."""
-    consts = [_code_bytes(c) if hasattr(c, "co_code") else repr(c).encode() for c in code.co_consts]
-    return b"|".join([code.co_code, *consts, repr(code.co_names).encode()])
