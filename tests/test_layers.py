@@ -307,3 +307,32 @@ def test_a_second_registration_is_caught(tmp_path, monkeypatch):
     )
     seen = registrations(module, monkeypatch)
     assert len(seen) == 2 and seen[0] is seen[1]
+
+
+def test_importing_statax_starts_nothing():
+    """Issue 47: `import statax` (every module of it) starts no JAX backend, so that
+    `jax.distributed.initialize()` may follow it, as a multi-host script has it."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    script = f"""
+import importlib, pkgutil
+import statax
+for module in pkgutil.walk_packages(statax.__path__, "statax."):
+    importlib.import_module(module.name)
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized(), "a backend was started"
+import jax
+jax.distributed.initialize("localhost:{port}", num_processes=1, process_id=0)
+import jax.numpy as jnp
+out, inters = statax.pull(lambda x: statax.save_inter(x * 2, name="y"))(jnp.ones(2))
+assert float(inters["y_0"][0]) == 2.0
+print("OK")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr

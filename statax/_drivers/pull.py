@@ -217,7 +217,9 @@ def pull(
         equinox's filtered transforms, in either order. Called where a jaxpr is being staged
         (under `jit`, `make_jaxpr`, in a loop body), it traces `fn` straight into that jaxpr,
         as `fn` alone would be, and stages the marked values as outputs, nothing else;
-        called eagerly, it traces `fn` once per argument types and shapes and caches that.
+        called eagerly, it traces `fn` at each call, so that what `fn` reads from outside its
+        arguments (a global, a model it closes over) is read as it is now; a function wrapped
+        in `jax.jit` (or `eqx.filter_jit`) keeps its trace, as `jax.jit` does.
 
     Examples:
         >>> import jax, jax.numpy as jnp, statax as stx
