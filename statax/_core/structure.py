@@ -12,6 +12,7 @@ them, and a custom derivative makes a new rule object at every trace.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -102,9 +103,25 @@ def _value_key(value: Any, memo: dict) -> Any:
     return value
 
 
+# A nested jaxpr's key, kept while it lives: a `jax.jit`'s jaxpr (and statax's rewrite of it) is
+# the same object at every trace, so a program that calls a jitted model is keyed at the cost
+# of its own equations. (A jaxpr is immutable.)
+_NESTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _nested_key(jaxpr: Any, memo: dict) -> tuple:
     key = memo.get(id(jaxpr))
     if key is None:
+        try:
+            key = _NESTED.get(jaxpr)
+        except TypeError:  # (not weakly referenceable)
+            key = None
+    if key is None:
         consts = tuple(map(_Same, getattr(jaxpr, "consts", ())))  # baked into the program
-        key = memo[id(jaxpr)] = (_open_key(jaxpr, memo), consts)
+        key = (_open_key(jaxpr, memo), consts)
+        try:
+            _NESTED[jaxpr] = key
+        except TypeError:
+            pass
+    memo[id(jaxpr)] = key
     return key
