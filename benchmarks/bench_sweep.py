@@ -5,10 +5,15 @@
    program per layer, as a loop over keys compiles), compilation included on both sides, with
    their results compared (goal >= 10x faster on CPU, equal results).
 2. Attribution patching against the exact sweep (goal >= 50x faster).
-3. The compiled chunk program's memory as `batch_size` grows (`memory_analysis()`).
+3. The steady state: the next prompt pair, of the same shapes, through programs compiled
+   before; the model jitted (`jax.jit` keeps its trace, so the sweep's program is not traced
+   again), and plain (traced again at each sweep, as statax traces any function it was not
+   told it may keep the trace of).
+4. The compiled chunk program's memory as `batch_size` grows (`memory_analysis()`).
 
 Interleaved runs, medians of REPEATS; each run traces and compiles afresh (new functions), as
-a user's first sweep does. Run: `python benchmarks/bench_sweep.py` (`--gpu` for GPT-2 small's
+a user's first sweep does
+(`jax.clear_caches()` drops what was compiled before). Run: `python benchmarks/bench_sweep.py` (`--gpu` for GPT-2 small's
 width).
 """
 
@@ -57,7 +62,8 @@ def main():
     params = init(jax.random.PRNGKey(0))
     clean, corrupted = inputs()
 
-    def fresh():  # a new function each run: traced and compiled afresh
+    def fresh():  # a new function each run, traced and compiled afresh: what was compiled
+        jax.clear_caches()  # before (programs kept by what they compute) is dropped
         return lambda params, ids: gpt(params, ids)
 
     def sweep(method="exact", batch_size=64):
@@ -127,7 +133,9 @@ def main():
             for t in range(POSITIONS):
                 float(run(base_acts[key].at[:, t].set(clean_acts[key][:, t])))
 
-    def sweep_again(method="exact"):
+    jitted = jax.jit(fn)
+
+    def sweep_again(method="exact", fn=jitted):
         stx.sweep(
             fn,
             metric,
@@ -142,6 +150,8 @@ def main():
         "loop": loop_again,
         "sweep": sweep_again,
         "attribution": lambda: sweep_again("attribution"),
+        "sweep, plain function": lambda: sweep_again(fn=fn),
+        "attribution, plain function": lambda: sweep_again("attribution", fn=fn),
     }
     a = interleaved_medians(steady, 2 * REPEATS + 1)  # (the first round compiles)
     print(
@@ -151,6 +161,12 @@ def main():
     print(
         f"{'steady state: exact sweep / attribution':<44} {a['sweep'] / a['attribution']:7.2f}x  "
         f"            {a['sweep'] * 1e3:.0f} ms vs {a['attribution'] * 1e3:.0f} ms"
+    )
+
+    print(
+        f"{'steady state, fn not jitted (traced each sweep)':<44} "
+        f"exact {a['sweep, plain function'] * 1e3:.0f} ms, "
+        f"attribution {a['attribution, plain function'] * 1e3:.0f} ms"
     )
 
     def loop_of_hooks():  # as a loop over hooks is written: each call traced and compiled

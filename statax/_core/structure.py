@@ -20,7 +20,7 @@ from jax.extend import core as jex
 
 from .registry import rules_for
 
-__all__ = ["program_key"]
+__all__ = ["constants_key", "program_key"]
 
 
 class _Same:
@@ -42,6 +42,11 @@ def program_key(jaxpr: Any) -> tuple:
     """The key of a traced program (an open jaxpr with `constvars`): its constants are by
     type only, as they are passed to the compiled program."""
     return _open_key(jaxpr, {})
+
+
+def constants_key(consts) -> tuple:
+    """A trace's constants by identity (held): equal only for the very same arrays."""
+    return tuple(map(_Same, consts))
 
 
 def _open_key(jaxpr: Any, memo: dict) -> tuple:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,11 +22,11 @@ from jax.extend import core as jex
 
 from .._core import fastpaths as _fastpaths
 from .._core.flat_calls import flat_function
-from .._core.structure import program_key
+from .._core.structure import constants_key, program_key
 from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 
-__all__ = ["Programs", "Traced"]
+__all__ = ["Programs", "Traced", "made_of", "shapes_of", "trace_now"]
 
 
 class Programs:
@@ -71,15 +72,7 @@ class Programs:
         """`fn` traced now for arguments like these, and its compiled program: a `Traced`, to
         call on arguments of the same structure, types and static leaves (the chunks of one
         sweep) without tracing again."""
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        traced = tuple(eqx.is_array(x) for x in leaves)
-        dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
-        out_info: list = []
-        call = lambda _, *a, **k: fn(*a, **k)  # noqa: E731
-        full_def = jax.tree_util.tree_structure((None, args, kwargs))
-        flat_fn = flat_function(call, leaves, full_def, traced, out_info)
-        avals = list(map(jax.typeof, dynamic))
-        jaxpr, consts = _jaxprs.trace_open(flat_fn, avals, "statax", fn)
+        jaxpr, consts, traced, out_info = trace_now(fn, args, kwargs)
         key = (_tracing.trace_context(), program_key(jaxpr))
         jitted = self._programs.pop(key, None)
         if jitted is None:
@@ -88,10 +81,43 @@ class Programs:
         while len(self._programs) > self.keep:
             self._programs.popitem(last=False)
         effects = bool(jaxpr.effects)
-        return Traced(jitted, list(consts), traced, *out_info[0], effects=effects)
+        return Traced(jitted, list(consts), traced, *out_info, effects=effects)
 
     def __len__(self) -> int:
         return len(self._programs)
+
+
+def trace_now(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """`(jaxpr, consts, traced, (out_def, out_static))`: `fn(*args, **kwargs)` traced now, its
+    array leaves traced (`traced`: which), its output's structure and non-array leaves."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    traced = tuple(eqx.is_array(x) for x in leaves)
+    dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
+    out_info: list = []
+    call = lambda _, *a, **k: fn(*a, **k)  # noqa: E731
+    full_def = jax.tree_util.tree_structure((None, args, kwargs))
+    flat_fn = flat_function(call, leaves, full_def, traced, out_info)
+    avals = list(map(jax.typeof, dynamic))
+    jaxpr, consts = _jaxprs.trace_open(flat_fn, avals, "statax", fn)
+    return jaxpr, consts, traced, out_info[0]
+
+
+def made_of(jaxpr, consts) -> tuple:
+    """What a trace computes, its constants included (the very arrays): equal for two traces
+    of a function that read the same things, so that what was made of one serves the other."""
+    return (_tracing.trace_context(), program_key(jaxpr), constants_key(consts))
+
+
+def shapes_of(jaxpr, out_info) -> Any:
+    """A trace's output as `jax.ShapeDtypeStruct`s (its non-array leaves as they are)."""
+    out_def, out_static = out_info
+    avals = iter(v.aval for v in jaxpr.outvars)
+    leaves = [_shape(next(avals)) if s is None else s[0] for s in out_static]
+    return jax.tree_util.tree_unflatten(out_def, leaves)
+
+
+def _shape(aval) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 def _kind_of(args, kwargs):

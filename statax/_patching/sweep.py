@@ -10,23 +10,24 @@ Attribution patching reads the gradient of the metric at each site from one back
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core import fastpaths as _fastpaths
 from .._core.errors import SweepError
 from .._core.meta import KeyName
 from .._drivers.interventions import grad_inters, plant
 from .._drivers.naming import keys_named
 from .._drivers.planting import Switch
-from .._drivers.programs import Programs
+from .._drivers.programs import Programs, made_of, shapes_of, trace_now
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
 from .result import SweepResult
@@ -117,7 +118,7 @@ def sweep(
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
     runs = _Runs(fn, metric, at)
-    clean_values, corrupted_values = runs.shapes(clean, corrupted)  # (traced, not run)
+    made, (clean_values, corrupted_values) = runs.shapes(clean, corrupted)  # (traced, not run)
     keys = _sites(sites, clean_values)
     if corrupted is not None:
         _same_shapes(keys, clean_values, corrupted_values)
@@ -142,15 +143,17 @@ def sweep(
     )
 
     lowered = None
+    kept = _Kept(made, plan, method, batch_size, patch_sharding)
     if method == "attribution":
-        program = _attribution(runs, plan)
-        values, (clean_metric, corrupted_metric, ran) = _PROGRAMS(program, clean, corrupted)
+        traced = kept.get() or kept.put(
+            _PROGRAMS.traced(_attribution(runs, plan), clean, corrupted)
+        )
+        values, (clean_metric, corrupted_metric, ran) = traced(clean, corrupted)
         _check_ran(ran)
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
-        program = _patch_program(runs, plan)
         values, clean_metric, corrupted_metric, lowered = _exact(
-            program, plan, clean, corrupted, batch_size, patch_sharding, progress
+            runs, plan, clean, corrupted, batch_size, patch_sharding, progress, kept
         )
     clean_metric = float(clean_metric)
     corrupted_metric = None if corrupted is None else float(corrupted_metric)
@@ -183,6 +186,34 @@ class _Plan:
 # The compiled programs of sweeps, kept by what they compute (the last eight): a sweep over new
 # inputs of the same shapes compiles nothing, and one of a changed model runs it as it is now.
 _PROGRAMS = Programs(keep=8)
+# The traces of sweep programs (`Traced`: a program and its constants), kept by what the two
+# runs compute (`made_of`: their trace, constants included) and the plan: a sweep whose runs
+# trace as a sweep before did (the same model and metric, reading the same arrays) skips
+# tracing its program, which is a function of them. The last eight.
+_TRACES: collections.OrderedDict = collections.OrderedDict()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """Where a sweep's `Traced` is kept: by what its runs compute and how it sweeps."""
+
+    made: tuple
+    plan: Any
+    method: str
+    batch_size: int
+    sharding: Any
+
+    def get(self):
+        traced = _TRACES.pop(self, None) if _fastpaths.on else None
+        if traced is not None:
+            _TRACES[self] = traced
+        return traced
+
+    def put(self, traced):
+        _TRACES[self] = traced
+        while len(_TRACES) > 8:
+            _TRACES.popitem(last=False)
+        return traced
 
 
 class _Runs:
@@ -212,10 +243,14 @@ class _Runs:
         return tuple(results)
 
     def shapes(self, clean, corrupted):
-        """The values' shapes of each run (`None` for no corrupted run), in program order
-        (traced, with the inputs' arrays traced and their other leaves static, as `pull`)."""
-        shaped = eqx.filter_eval_shape(self.runs, clean, corrupted)
-        return tuple(
+        """`(made_of, shapes)`: the two runs traced now (with the inputs' arrays traced and
+        their other leaves static, as `pull`): what they compute, their constants included
+        (`programs.made_of`: a sweep program is a function of it, so the one made of an equal
+        trace serves), and the values' shapes of each run (`None` for no corrupted run), in
+        program order."""
+        jaxpr, consts, _, out_info = trace_now(self.runs, (clean, corrupted), {})
+        shaped = shapes_of(jaxpr, out_info)
+        return made_of(jaxpr, consts), tuple(
             None if r is None else {k: r[1][k] for k in order}
             for order, r in zip(self.order, shaped)
         )
@@ -385,7 +420,7 @@ def _mask(leaf, axes: dict, index) -> jax.Array:
     return mask
 
 
-def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
+def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept):
     sizes = dict(plan.sizes)
     patches = [(s, i) for s, key in enumerate(plan.keys) for i in range(math.prod(sizes[key]))]
     site_ids = np.array([s for s, _ in patches], np.int32)
@@ -403,8 +438,10 @@ def _exact(program, plan, clean, corrupted, batch_size, sharding, progress):
         i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        if traced is None:  # traced once a sweep: every chunk runs that trace's program
-            traced = _PROGRAMS.traced(program, s, i, clean, corrupted)
+        if traced is None:  # traced once a sweep (or kept): every chunk runs its program
+            traced = kept.get() or kept.put(
+                _PROGRAMS.traced(_patch_program(runs, plan), s, i, clean, corrupted)
+            )
             # the chunk's program, lowered when asked (`memory_analysis()`)
             lowered = functools.partial(traced.lower, s, i, clean, corrupted)
         chunk_values, metrics = traced(s, i, clean, corrupted)
