@@ -83,8 +83,13 @@ def trace_open(
 
 def constants_as_inputs(jaxpr: jex.Jaxpr) -> jex.ClosedJaxpr:
     """An open jaxpr as a closed one with no constants, which takes its constants as its first
-    inputs (`pe.convert_constvars_jaxpr`, JAX 0.8 -- 0.12)."""
-    return jex.ClosedJaxpr(pe_api.convert_constvars_jaxpr(jaxpr), ())
+    inputs (what `pe.convert_constvars_jaxpr` does, deprecated in JAX 0.8; `Jaxpr.replace`
+    and `DebugInfo._replace`, JAX 0.8 -- 0.12)."""
+    info = jaxpr.debug_info
+    if info is not None and isinstance(info.arg_names, tuple):
+        info = info._replace(arg_names=("",) * len(jaxpr.constvars) + info.arg_names)
+    opened = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars], debug_info=info)
+    return jex.ClosedJaxpr(opened, ())
 
 
 def debug_info(name: str, source: Callable | None = None) -> Any:

@@ -23,13 +23,12 @@ import numpy as np
 
 from .._core import fastpaths as _fastpaths
 from .._core.errors import SweepError
-from .._core.meta import KeyName
 from .._drivers.interventions import grad_inters, plant
-from .._drivers.naming import keys_named
 from .._drivers.planting import Switch
 from .._drivers.programs import Programs, made_of, shapes_of, trace_now
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
+from . import checks
 from .result import SweepResult
 
 __all__ = ["MODES", "sweep"]
@@ -104,35 +103,26 @@ def sweep(
         raise SweepError(f"stx.sweep: mode={mode!r}; it is one of {', '.join(MODES)}.")
     if method not in ("exact", "attribution"):
         raise SweepError(f"stx.sweep: method={method!r}; it is 'exact' or 'attribution'.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise SweepError(
-            f"stx.sweep: batch_size={batch_size!r}; it is how many patches run at once, an "
-            "int of 1 or more."
-        )
-    clean = _arguments(clean, "clean")
+    checks.batch_size(batch_size)
+    clean = checks.arguments(clean, "clean")
     if mode in ("denoising", "noising") and corrupted is None:
         raise SweepError(f"stx.sweep(mode={mode!r}) patches between two runs: pass corrupted=.")
-    corrupted = None if corrupted is None else _arguments(corrupted, "corrupted")
+    corrupted = None if corrupted is None else checks.arguments(corrupted, "corrupted")
     axes = dict(axes or {})
     per_site = any(isinstance(v, Mapping) for v in axes.values())
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
     runs = _Runs(fn, metric, at)
     made, (clean_values, corrupted_values) = runs.shapes(clean, corrupted)  # (traced, not run)
-    keys = _sites(sites, clean_values)
+    keys = checks.sites(sites, clean_values)
     if corrupted is not None:
-        _same_shapes(keys, clean_values, corrupted_values)
-    if per_site and all(isinstance(v, Mapping) for v in axes.values()):  # (else: `_axes_of`)
-        unknown = [entry for entry in axes if not keys_named(entry, keys)]
-        if unknown:
-            raise SweepError(
-                f"stx.sweep(axes=...): {unknown} name no site of the sweep (a key, 'h_0', or a "
-                f"name, 'h', for each of its occurrences). The sites: {keys}."
-            )
+        checks.same_shapes(keys, clean_values, corrupted_values)
+    if per_site:
+        checks.axes_name_sites(axes, keys)
     if method == "attribution":
-        _differentiable(keys, clean_values)
-    site_axes = {k: _axes_of(k, axes, per_site) for k in keys}
-    sizes = {k: _axis_sizes(k, clean_values[k], site_axes[k]) for k in keys}
+        checks.differentiable(keys, clean_values)
+    site_axes = {k: checks.axes_of(k, axes, per_site) for k in keys}
+    sizes = {k: checks.axis_sizes(k, clean_values[k], site_axes[k]) for k in keys}
     plan = _Plan(
         mode,
         examples,
@@ -149,7 +139,7 @@ def sweep(
             _PROGRAMS.traced(_attribution(runs, plan), clean, corrupted)
         )
         values, (clean_metric, corrupted_metric, ran) = traced(clean, corrupted)
-        _check_ran(ran)
+        checks.check_ran(ran)
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
         values, clean_metric, corrupted_metric, lowered = _exact(
@@ -278,80 +268,6 @@ class _Runs:
         return base, pick(base_values), pick(source), metrics
 
 
-def _check_ran(ran: dict) -> None:
-    """A site in a branch not taken (in either run) is an error, as one that never ran."""
-    missing = [k for k, flag in ran.items() if not bool(np.all(flag))]
-    if missing:
-        where = ", ".join(f"{k!r} (saved at {getattr(k, 'location', '?')})" for k in missing)
-        raise SweepError(
-            f"stx.sweep: the sites {where} did not run in the clean or the corrupted run (a "
-            "branch not taken): patching them changes nothing. Leave them out with sites=."
-        )
-
-
-def _arguments(args, which: str) -> tuple:
-    if not isinstance(args, tuple):
-        raise SweepError(
-            f"stx.sweep: {which}= is a tuple of fn's positional arguments, got "
-            f"{type(args).__name__}. For one argument x, pass ({which}=(x,))."
-        )
-    return args
-
-
-def _sites(sites, values: dict) -> list:
-    if not values:
-        raise SweepError(
-            "stx.sweep: the function has no site to patch: no save_inter ran in the clean run, "
-            "and at= selected nothing. Mark values with stx.save_inter, or select places with "
-            "at= (stx.modules(...), stx.scopes(...)); stx.sites(fn)(*clean) maps them."
-        )
-    if sites is None:
-        return list(values)
-    keys, missing = [], []
-    for site in [sites] if isinstance(sites, str) else sites:
-        found = keys_named(site, values)
-        keys += [k for k in found if k not in keys]
-        if not found:
-            missing.append(site)
-    if missing:
-        raise SweepError(
-            f"stx.sweep: the sites {missing} did not run in the clean run: no mark or selected "
-            f"place of that key or name saved a value (a branch not taken, a name misspelt). "
-            f"The sites that ran: {list(values)}."
-        )
-    return keys
-
-
-def _differentiable(keys, values: dict) -> None:
-    """Attribution takes a gradient at every site: a site of integers (token ids) has none."""
-    for key in keys:
-        dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(values[key])}
-        if any(not jnp.issubdtype(d, jnp.inexact) for d in dtypes):
-            raise SweepError(
-                f"stx.sweep(method='attribution'): site {key!r} (saved at "
-                f"{getattr(key, 'location', '?')}) holds {', '.join(sorted(dtypes))} values, "
-                "which have no gradient to take the first-order term from. Leave it out with "
-                "sites=, or sweep it with method='exact'."
-            )
-
-
-def _same_shapes(keys, clean: dict, corrupted: dict) -> None:
-    for key in keys:
-        if key not in corrupted:
-            raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) ran in the "
-                "clean run but not in the corrupted one. Patch sites that run in both."
-            )
-        shapes = [[x.shape for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
-        if shapes[0] != shapes[1]:
-            raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has shape "
-                f"{shapes[0]} in the clean run and {shapes[1]} in the corrupted one: the two "
-                "inputs must give every site one shape (the same batch, the same length; pad "
-                "the prompts to one length)."
-            )
-
-
 def _metric(metric, out) -> jax.Array:
     value = jnp.asarray(metric(out))
     if value.ndim > 1 or not jnp.issubdtype(value.dtype, jnp.floating):
@@ -360,36 +276,6 @@ def _metric(metric, out) -> jax.Array:
             "a float scalar, or one per example (shape (batch,)), of the function's output."
         )
     return jnp.mean(value)
-
-
-def _axes_of(key, axes: dict, per_site: bool) -> dict:
-    """A site's axes: the sweep's, or its own (by key, then by name) where they are per site."""
-    if not per_site:
-        return axes
-    if not all(isinstance(v, Mapping) for v in axes.values()):
-        raise SweepError(
-            "stx.sweep: axes= is either {name: axis} for every site, or {site: {name: axis}} "
-            f"for each; it mixes the two: {axes}."
-        )
-    name = KeyName.parse(str(key)).name
-    return dict(axes.get(key, axes.get(name, {})))
-
-
-def _axis_sizes(key, value, axes: dict) -> tuple[int, ...]:
-    leaves = jax.tree.leaves(value)
-    sizes = []
-    for name, axis in axes.items():
-        lengths = {leaf.shape[axis] for leaf in leaves if -leaf.ndim <= axis < leaf.ndim}
-        if len(lengths) != 1 or any(not -leaf.ndim <= axis < leaf.ndim for leaf in leaves):
-            shapes = [leaf.shape for leaf in leaves]
-            raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has no "
-                f"axis {axis} ({name!r}) to patch along: its value's shape is "
-                f"{shapes[0] if len(shapes) == 1 else shapes}. Give axes= that every site has, "
-                "or sweep the sites apart."
-            )
-        sizes.append(lengths.pop())
-    return tuple(sizes)
 
 
 def _ablation(mode: str, values: dict, axis: int, seed: int) -> dict:
@@ -446,7 +332,7 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept):
             lowered = functools.partial(traced.lower, s, i, clean, corrupted)
         chunk_values, metrics = traced(s, i, clean, corrupted)
         if not results:
-            _check_ran(metrics[2])
+            checks.check_ran(metrics[2])
         results.append(np.asarray(chunk_values)[: stop - start])
     values = np.concatenate(results)
     out, at = {}, 0
