@@ -11,10 +11,9 @@
    told it may keep the trace of).
 4. The compiled chunk program's memory as `batch_size` grows (`memory_analysis()`).
 
-Interleaved runs, medians of REPEATS; each run traces and compiles afresh (new functions), as
-a user's first sweep does
-(`jax.clear_caches()` drops what was compiled before). Run: `python benchmarks/bench_sweep.py` (`--gpu` for GPT-2 small's
-width).
+Interleaved runs, medians of REPEATS; each run traces and compiles afresh (new functions, and
+`jax.clear_caches()` drops what was compiled before), as a user's first sweep does. Run:
+`python benchmarks/bench_sweep.py` (`--gpu` for GPT-2 small's width).
 """
 
 import sys

@@ -55,7 +55,7 @@ class Programs:
         kind = _kind_of(args, kwargs)
         guess = self._last.pop(kind, None) if _fastpaths.on else None
         early = None
-        if guess is not None and not guess.effects:
+        if guess is not None and guess.startable():
             early = guess.run(args, kwargs)  # (dispatched: it runs while the host traces)
         now = self.traced(fn, *args, **kwargs)
         self._last[kind] = now
@@ -152,6 +152,14 @@ class Traced:
     def _inputs(self, args, kwargs) -> list:
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         return [*self._consts, *(x for x, t in zip(leaves, self._traced, strict=True) if t)]
+
+    def startable(self) -> bool:
+        """Whether its program may start before the trace says it is the one: it has no
+        effects (a callback would run twice), and its constants all still hold their buffers
+        (a training step may have donated a model's old weights: Keras's `fit`)."""
+        return not self.effects and not any(
+            getattr(c, "is_deleted", bool)() for c in self._consts
+        )
 
     def run(self, args, kwargs) -> list:
         """The program's flat outputs for these arguments."""
