@@ -157,9 +157,7 @@ class Traced:
         """Whether its program may start before the trace says it is the one: it has no
         effects (a callback would run twice), and its constants all still hold their buffers
         (a training step may have donated a model's old weights: Keras's `fit`)."""
-        return not self.effects and not any(
-            getattr(c, "is_deleted", bool)() for c in self._consts
-        )
+        return not self.effects and not any(getattr(c, "is_deleted", bool)() for c in self._consts)
 
     def run(self, args, kwargs) -> list:
         """The program's flat outputs for these arguments."""
