@@ -107,6 +107,16 @@ class Resized(Global):
         return model
 
 
+class Retyped(Global):
+    """The global array takes another dtype: a retrace, not a crash."""
+
+    name = "retyped"
+
+    def change(self, model):
+        model["w"] = (model["w"] * 2).astype(jnp.bfloat16)
+        return model
+
+
 class Equinox(Kind):
     name = "equinox"
     modules = "layers[0]"
@@ -252,7 +262,17 @@ class HuggingFace(Kind):
         return model(ids)
 
 
-KINDS = [Global(), Resized(), Equinox(), NNX(), NNXOptimizer(), Keras(), KerasFit(), HuggingFace()]
+KINDS = [
+    Global(),
+    Resized(),
+    Retyped(),
+    Equinox(),
+    NNX(),
+    NNXOptimizer(),
+    Keras(),
+    KerasFit(),
+    HuggingFace(),
+]
 
 
 # ---- where the model is: the function itself, an argument, or closed over ------------------------
@@ -272,6 +292,7 @@ def placed(kind: Kind, placement: str, box: dict):
 PLACEMENTS = {
     "global": ["closed"],
     "resized": ["closed"],
+    "retyped": ["closed"],
 }
 
 
@@ -376,6 +397,7 @@ def _case_marks(kind, placement):
     fast = [
         ("global", "closed"),
         ("resized", "closed"),
+        ("retyped", "closed"),
         ("equinox", "argument"),
         ("nnx", "function"),
         ("nnx-optimizer", "closed"),

@@ -24,7 +24,9 @@ from .test_record import WORKER, assert_store_equals, model, run_worker, worker_
 MAKING = [
     ("begin:before", None),
     ("begin:after", None),
+    ("arrays:before", None),
     ("arrays:during", None),
+    ("arrays:after", None),
     ("metadata:before", None),
     ("metadata:during", None),
     ("metadata:after", 0),

@@ -99,14 +99,24 @@ def die_at(step: str, store: str) -> None:
     original = getattr(layout, name[what])
     half = {"metadata": "zarr.json.__lock", "commit": "_statax/commit.0.__lock"}
 
+    made = []  # (arrays: "during" is after the first of the model's three, "after" the last)
+
     def dying(*args, **kwargs):
-        if when == "before" or (when == "during" and what != "arrays"):
+        if what == "arrays":
+            made.append(1)
+            if when == "before" and len(made) == 1:
+                os.kill(os.getpid(), 9)
+            out = original(*args, **kwargs)
+            if len(made) == (1 if when == "during" else 3) and when != "before":
+                os.kill(os.getpid(), 9)
+            return out
+        if when == "before" or when == "during":
             if when == "during":  # a file being written when the process died
                 with open(os.path.join(store, half[what]), "wb") as f:
                     f.write(b'{"zarr_format": 3, "node_ty')
             os.kill(os.getpid(), 9)
         out = original(*args, **kwargs)
-        if when == "after" or what == "arrays":  # (arrays, "during": after the first one)
+        if when == "after":
             os.kill(os.getpid(), 9)
         return out
 
