@@ -241,7 +241,7 @@ class HuggingFace(Kind):
 
     def make(self):
         config = transformers.GPT2Config(
-            n_layer=2, n_embd=16, n_head=2, vocab_size=10, n_positions=8
+            n_layer=1, n_embd=8, n_head=2, vocab_size=10, n_positions=8
         )
         return transformers.FlaxGPT2Model(config, seed=0)
 
