@@ -416,6 +416,70 @@ def test_a_batched_cond_with_one_name_in_both_branches_gives_one_cotangent(jit):
     assert_tree_allclose(inters["c_0"], want)
 
 
+def _branch(marks, x, e, first):
+    """A branch: marks `(name, c)` in order, on `x`; with `e`, no marks but the perturbation
+    of each one's slot added where it is: `name_k`, k its occurrence in this branch after the
+    `first[name]` slots of earlier calls."""
+    h, counts = x, {}
+    for name, c in marks:
+        n = counts[name] = counts.get(name, -1) + 1
+        v = jnp.tanh(h * 0.9 + c)
+        h = stx.save_inter(v, name=name) if e is None else v + e[f"{name}_{first[name] + n}"]
+    return h
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_batched_conds_give_each_slot_one_cotangent(seed):
+    """Random branches of marks named from a small set (so the two branches share slots, or
+    not) under a `vmap` inside `grad`, the predicate batched, called once or twice (a `jax.jit`
+    called twice is differentiated once for both calls), jitted or not: every slot's
+    cotangent, each example's from the branch it took, against the gradient at a zero
+    perturbation of the slot (one per slot and call, added by either branch)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        branches = [
+            [(str(rng.choice(["a", "b", "c"])), float(rng.uniform(-0.5, 0.5))) for _ in range(k)]
+            for k in rng.integers(1, 4, size=2)
+        ]
+        threshold, jit = float(rng.uniform(-0.5, 0.5)), bool(rng.random() < 0.5)
+        calls = int(rng.integers(1, 3))
+        per_call = {
+            name: max(sum(m == name for m, _ in b) for b in branches)
+            for name in {m for b in branches for m, _ in b}
+        }
+        slots = sorted(f"{name}_{k}" for name, n in per_call.items() for k in range(n * calls))
+
+        def loss(xs, es):
+            def g(x, e, call):
+                first = {name: call * n for name, n in per_call.items()}
+                false, true = (lambda x, b=b: _branch(b, x, e, first) for b in branches)
+                return jax.lax.cond(jnp.sum(x) > threshold, true, false, x)
+
+            if es is None and calls > 1:  # one jitted function, called twice
+                once = jax.jit(lambda xs: jax.vmap(lambda x: g(x, None, 0))(xs))
+                return jnp.sum(jnp.sin(once(once(xs) * 1.5)) * 2.0)
+            h = xs
+            for call in range(calls):
+                h = jax.vmap(lambda x, e, call=call: g(x, e, call))(h, es)
+                h = h * 1.5 if call < calls - 1 else h
+            return jnp.sum(jnp.sin(h) * 2.0)
+
+        xs = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+        step = lambda xs: jax.grad(loss)(xs, None)  # noqa: E731
+        _, inters = stx.pull(jax.jit(step) if jit else step, cotangents=True)(xs)
+        assert sorted(inters) == sorted([*slots, *(k + ".grad" for k in slots)]), branches
+        zeros = {k: jnp.zeros_like(xs) for k in slots}
+        want = jax.grad(loss, argnums=1)(xs, zeros)
+        for key in slots:
+            np.testing.assert_allclose(
+                inters[key + ".grad"],
+                want[key],
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"{key}: {branches}, {calls} calls",
+            )
+
+
 def test_first_nonfinite_inside_a_vmapped_scan_inside_the_grad():
     def per_example(w, x):
         def body(h, xt):

@@ -16,7 +16,6 @@ tap, there is no tap: a mark's JVP passes its tangents on untouched, as it alway
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import dataclasses
 import itertools
@@ -38,7 +37,6 @@ __all__ = [
     "loops_batched",
     "number",
     "on_transpose",
-    "share",
     "tap",
     "tapped",
     "taps",
@@ -119,27 +117,9 @@ def number() -> int:
     return next(_NUMBERS)
 
 
-# A tap number -> the number it stands for: the taps left in each branch of a `cond` for one
-# slot (`share`) mark one cotangent. Bounded, the oldest forgotten (a trace uses its own soon).
-_SHARED: collections.OrderedDict[int, int] = collections.OrderedDict()
-
-
-def share(numbers) -> None:
-    """Have the taps numbered `numbers` mark the cotangent of the first: the marks of one slot
-    of a `cond`, one in each branch, each left a tap. Where JAX runs every branch (a batched
-    predicate: a `select` of their results), the branch not taken receives zeros, so the
-    cotangents the taps read add up to the slot's."""
-    first, *rest = numbers
-    for n in rest:
-        _SHARED[n] = first
-    while len(_SHARED) > 4096:
-        _SHARED.popitem(last=False)
-
-
 def tap(meta: StateMeta, n: int, tangents: list) -> list:
     """`tangents` through the tap numbered `n` of the mark `meta`. A mark's flag that it ran
     (`pull(fn, ran=True)`: a boolean after its values) is no value of it: it passes by."""
-    n = _SHARED.get(n, n)
     if meta.flagged and tangents:
         values = tangents[:-1]
         out = tap(dataclasses.replace(meta, flagged=False), n, values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import re
@@ -18,6 +19,8 @@ __all__ = [
     "GRAD",
     "RAN",
     "KeyName",
+    "share_taps",
+    "tap_root",
     "StateMeta",
     "Static",
     "hashable",
@@ -257,6 +260,30 @@ def keys_of(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> lis
     return [str(k) for k in key_names(metas, values)]
 
 
+# A tap number -> the number of the slot it is a branch's tap of (`share_taps`). Bounded, the
+# oldest forgotten (a trace uses its own soon); numbers are never reused.
+_TWINS: collections.OrderedDict[int, int] = collections.OrderedDict()
+
+
+def share_taps(numbers: Sequence[int]) -> None:
+    """The taps numbered `numbers` read one slot's cotangent, the first's: the marks of one slot
+    of a `cond`, one in each branch, each left a tap. Where JAX runs every branch (a batched
+    predicate: a `select` of their results), each example's cotangent comes through the tap of
+    the branch it took, the other reading zeros, so a slot's cotangent is the sum of what its
+    taps read (`tap_root` tells the naming so)."""
+    first, *rest = numbers
+    for n in rest:
+        _TWINS[n] = first
+    while len(_TWINS) > 4096:
+        _TWINS.popitem(last=False)
+
+
+def tap_root(n: int | None) -> int | None:
+    """The number of the slot whose cotangent the tap `n` reads (`share_taps`): `n` itself,
+    but for a `cond` branch's tap of a slot that another branch's tap numbers."""
+    return _TWINS.get(n, n)
+
+
 def key_names(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> list[KeyName]:
     """`keys_of`, as `KeyName`s."""
     counts: dict[str, int] = {}
@@ -281,11 +308,14 @@ def key_names(metas: Sequence[StateMeta], values: Sequence[StateMeta] = ()) -> l
         if meta.tap is not None and own:
             tapped.setdefault(meta.tap, []).append(keys[-1])
     grads: dict[str, int] = {}  # (a cotangent whose value is not among `metas`: counted apart)
+    left: dict[int, list[KeyName]] = {}  # per tap, the calls whose cotangent is still to come
     for i, meta in enumerate(metas):
         if keys[i] is None:
             # The backward pass runs the calls that share a tap in reverse: the first cotangent
-            # is the last call's.
-            calls = tapped.get(meta.tap)
+            # is the last call's. (Each branch's tap of a `cond` slot reads each call once.)
+            if meta.tap not in left:
+                left[meta.tap] = list(tapped.get(tap_root(meta.tap), ()))
+            calls = left[meta.tap]
             key = calls.pop() if calls else None
             if key is None:
                 n = grads.get(meta.name, 0)

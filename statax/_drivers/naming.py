@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from .._core import context as _context
 from .._core import reduce as _reduce
 from .._core.errors import CotangentsError, KeyCollisionError, SelectionError
-from .._core.meta import ARRAY, KeyName, StateMeta, key_names
+from .._core.meta import ARRAY, KeyName, StateMeta, key_names, tap_root
 from .._select import report as _report
 
 
@@ -169,7 +169,12 @@ def _branches_of(first: StateMeta, second: StateMeta) -> bool:
     JAX runs both branches of a `cond` whose predicate is batched (a `select` of the two), so
     the mark of one slot (`tap`) is tapped in each. The cotangent that flows back into the
     branch not taken is zero, example by example, so their sum is the slot's cotangent."""
-    return first.grad and second.grad and first.tap is not None and first.tap == second.tap
+    return (
+        first.grad
+        and second.grad
+        and first.tap != second.tap
+        and tap_root(first.tap) == tap_root(second.tap)
+    )
 
 
 @functools.lru_cache(maxsize=256)

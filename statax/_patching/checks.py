@@ -27,6 +27,11 @@ __all__ = [
 ]
 
 
+def _site(key) -> str:
+    """A site as an error names it: its key and where its value was saved."""
+    return f"site {key!r} (saved at {getattr(key, 'location', '?')})"
+
+
 def batch_size(size) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise SweepError(
@@ -98,8 +103,8 @@ def differentiable(keys, values: dict) -> None:
         dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(values[key])}
         if any(not jnp.issubdtype(d, jnp.inexact) for d in dtypes):
             raise SweepError(
-                f"stx.sweep(method='attribution'): site {key!r} (saved at "
-                f"{getattr(key, 'location', '?')}) holds {', '.join(sorted(dtypes))} values, "
+                f"stx.sweep(method='attribution'): {_site(key)} holds "
+                f"{', '.join(sorted(dtypes))} values, "
                 "which have no gradient to take the first-order term from. Leave it out with "
                 "sites=, or sweep it with method='exact'."
             )
@@ -109,13 +114,13 @@ def same_shapes(keys, clean: dict, corrupted: dict) -> None:
     for key in keys:
         if key not in corrupted:
             raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) ran in the "
+                f"stx.sweep: {_site(key)} ran in the "
                 "clean run but not in the corrupted one. Patch sites that run in both."
             )
         shapes = [[x.shape for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
         if shapes[0] != shapes[1]:
             raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has shape "
+                f"stx.sweep: {_site(key)} has shape "
                 f"{shapes[0]} in the clean run and {shapes[1]} in the corrupted one: the two "
                 "inputs must give every site one shape (the same batch, the same length; pad "
                 "the prompts to one length)."
@@ -143,7 +148,7 @@ def axis_sizes(key, value, axes: dict) -> tuple[int, ...]:
         if len(lengths) != 1 or any(not -leaf.ndim <= axis < leaf.ndim for leaf in leaves):
             shapes = [leaf.shape for leaf in leaves]
             raise SweepError(
-                f"stx.sweep: site {key!r} (saved at {getattr(key, 'location', '?')}) has no "
+                f"stx.sweep: {_site(key)} has no "
                 f"axis {axis} ({name!r}) to patch along: its value's shape is "
                 f"{shapes[0] if len(shapes) == 1 else shapes}. Give axes= that every site has, "
                 "or sweep the sites apart."

@@ -12,7 +12,6 @@ above them. `statax.extend.equinox` holds what statax knows of equinox's private
 (its filter primitives, `noinline` and the masking of its loops' state).
 """
 
-from .._core.cotangents import share as share_taps
 from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
@@ -37,6 +36,7 @@ from .._core.meta import ARRAY as ARRAY
 from .._core.meta import StateMeta as StateMeta
 from .._core.meta import kinds_str as kinds_str
 from .._core.meta import occurrences as occurrences
+from .._core.meta import share_taps as share_taps
 from .._core.primitive import save_inter_p as save_inter_p
 from .._core.registry import Exposer as Exposer
 from .._core.registry import Handler as Handler
