@@ -1,5 +1,5 @@
-"""Compiled programs that answer for the function as it is now (`Program`): what a sweep, a
-recorder and an in-graph summary compile (`Programs`).
+"""Compiled programs that answer for the function as it is now: what a sweep, a recorder and
+an in-graph summary compile (`Programs`).
 
 A `jax.jit` of a function keeps its first trace: whatever the function reads from outside its
 arguments (a global array, a model's weights it closes over, an NNX module's state) is baked in
