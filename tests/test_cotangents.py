@@ -428,7 +428,9 @@ def _branch(marks, x, e, first):
     return h
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.exhaustive) for s in (1, 2, 3, 4))]
+)
 def test_random_batched_conds_give_each_slot_one_cotangent(seed):
     """Random branches of marks named from a small set (so the two branches share slots, or
     not) under a `vmap` inside `grad`, the predicate batched, called once or twice (a `jax.jit`
