@@ -293,6 +293,8 @@ PLACEMENTS = {
     "global": ["closed"],
     "resized": ["closed"],
     "retyped": ["closed"],
+    # (as an argument, a Hugging Face model is a static leaf: read as closed over, at size)
+    "hf": ["function", "closed"],
 }
 
 
