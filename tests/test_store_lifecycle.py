@@ -38,18 +38,10 @@ APPENDING = [("commit:before", 2), ("commit:during", 2), ("commit:after", 3)]
 IN_THE_README_COMMAND = {("making", "metadata:during"), ("appending", "commit:before")}
 
 
-# With two processes, the steps where what another process sees or does differs (the rest are
-# process 0's alone, as with one).
-TWO = {"begin:after", "arrays:during", "metadata:during", "metadata:after", "commit:before"}
-TWO |= {"commit:after"}
-
-
 def cases(processes: int):
     out = []
     for phase, steps in (("making", MAKING), ("appending", APPENDING)):
         for step, committed in steps:
-            if processes > 1 and step not in TWO:
-                continue
             quick = processes == 1 and (phase, step) in IN_THE_README_COMMAND
             marks = () if quick else (pytest.mark.exhaustive,)
             out.append(pytest.param(phase, step, committed, id=f"{phase}-{step}", marks=marks))
