@@ -10,7 +10,7 @@ driver on a brand-new model object holding the new state, and the function's own
 an eager call of it. Under the user's `jax.jit`, statax answers as that `jax.jit` does (a kept
 jit object keeps its trace; a new one traces the model as it is now). Shapes that change
 retrace. The whole matrix runs with the fast paths on and off; the README's command runs one
-placement of five kinds (`-m exhaustive` the rest).
+placement of four kinds (`-m exhaustive` the rest).
 """
 
 from __future__ import annotations
@@ -401,7 +401,6 @@ def _case_marks(kind, placement):
         ("resized", "closed"),
         ("nnx", "function"),
         ("keras-fit", "function"),
-        ("hf", "closed"),
     ]
     return () if (kind.name, placement) in fast else (pytest.mark.exhaustive,)
 
