@@ -20,7 +20,7 @@ from jax.extend import core as jex
 
 from .registry import rules_for
 
-__all__ = ["constants_key", "program_key"]
+__all__ = ["constants_key", "program_key", "static_key"]
 
 
 class _Same:
@@ -47,6 +47,12 @@ def program_key(jaxpr: Any) -> tuple:
 def constants_key(consts) -> tuple:
     """A trace's constants by identity (held): equal only for the very same arrays."""
     return tuple(map(_Same, consts))
+
+
+def static_key(value: Any) -> Any:
+    """A static value as a key part: itself where it hashes (containers and arrays by value),
+    else by identity (held)."""
+    return _value_key(value, {})
 
 
 def _open_key(jaxpr: Any, memo: dict) -> tuple:

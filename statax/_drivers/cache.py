@@ -53,7 +53,8 @@ def traced_avals(leaves, treedef) -> tuple[list, None, tuple]:
 def follows_jit(root) -> bool:
     """Whether `root` (as `split_callable` gives it) is a function wrapped in `jax.jit` or
     `eqx.filter_jit`, whose calls follow `jax.jit`'s rule: its first trace is kept."""
-    return isinstance(root, _jit_types()[0]) or root is _jit_types()[1]
+    jitted, filter_jitted = _jit_types()
+    return isinstance(root, jitted) or root is filter_jitted
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from jax.extend import core as jex
 
 from .._core import fastpaths as _fastpaths
 from .._core.flat_calls import flat_function
-from .._core.structure import constants_key, program_key
+from .._core.structure import constants_key, program_key, static_key
 from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 
@@ -73,7 +73,7 @@ class Programs:
         call on arguments of the same structure, types and static leaves (the chunks of one
         sweep) without tracing again."""
         jaxpr, consts, traced, out_info = trace_now(fn, args, kwargs)
-        key = (_tracing.trace_context(), program_key(jaxpr))
+        key = made_of(jaxpr, ())  # (the constants are passed in: not part of the key)
         jitted = self._programs.pop(key, None)
         if jitted is None:
             jitted = jax.jit(jex.jaxpr_as_fun(_jaxprs.constants_as_inputs(jaxpr)))
@@ -82,9 +82,6 @@ class Programs:
             self._programs.popitem(last=False)
         effects = bool(jaxpr.effects)
         return Traced(jitted, list(consts), traced, *out_info, effects=effects)
-
-    def __len__(self) -> int:
-        return len(self._programs)
 
 
 def trace_now(fn: Callable, args: tuple, kwargs: dict) -> tuple:
@@ -126,16 +123,8 @@ def _kind_of(args, kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     return (
         treedef,
-        tuple(jax.typeof(x) if eqx.is_array(x) else _hashable(x) for x in leaves),
+        tuple(jax.typeof(x) if eqx.is_array(x) else static_key(x) for x in leaves),
     )
-
-
-def _hashable(leaf):
-    try:
-        hash(leaf)
-    except TypeError:
-        return ("id", id(leaf))
-    return leaf
 
 
 class Traced:

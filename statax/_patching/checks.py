@@ -104,9 +104,9 @@ def differentiable(keys, values: dict) -> None:
         if any(not jnp.issubdtype(d, jnp.inexact) for d in dtypes):
             raise SweepError(
                 f"stx.sweep(method='attribution'): {_site(key)} holds "
-                f"{', '.join(sorted(dtypes))} values, "
-                "which have no gradient to take the first-order term from. Leave it out with "
-                "sites=, or sweep it with method='exact'."
+                f"{', '.join(sorted(dtypes))} values, which have no gradient to take the "
+                "first-order term from. Leave it out with sites=, or sweep it with "
+                "method='exact'."
             )
 
 
@@ -114,14 +114,14 @@ def same_shapes(keys, clean: dict, corrupted: dict) -> None:
     for key in keys:
         if key not in corrupted:
             raise SweepError(
-                f"stx.sweep: {_site(key)} ran in the "
-                "clean run but not in the corrupted one. Patch sites that run in both."
+                f"stx.sweep: {_site(key)} ran in the clean run but not in the corrupted "
+                "one. Patch sites that run in both."
             )
         shapes = [[x.shape for x in jax.tree.leaves(v)] for v in (clean[key], corrupted[key])]
         if shapes[0] != shapes[1]:
             raise SweepError(
-                f"stx.sweep: {_site(key)} has shape "
-                f"{shapes[0]} in the clean run and {shapes[1]} in the corrupted one: the two "
+                f"stx.sweep: {_site(key)} has shape {shapes[0]} in the clean run and "
+                f"{shapes[1]} in the corrupted one: the two "
                 "inputs must give every site one shape (the same batch, the same length; pad "
                 "the prompts to one length)."
             )
