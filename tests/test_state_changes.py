@@ -485,3 +485,62 @@ def test_under_the_users_jit_as_jax_jit_does(kind, placement, fast):
         np.testing.assert_allclose(_leaf(kind, out), want, rtol=1e-5, atol=1e-6)
         if np.allclose(want, _leaf(kind, fn(*args)), rtol=1e-5, atol=1e-6):
             assert_same(inters, stx.pull(fn, at=at)(*args)[1])
+
+
+# ---- random programs: what a kept program computes, as the closed-over arrays change ---------
+
+_CLOSED: dict = {}
+_UNJITTED: list = []  # the names read outside any `jax.jit` (which keeps its own trace)
+
+
+def _random_program(rng, depth=0, jitted=False):
+    """A random function of `x` (shape (3,)) reading `_CLOSED[name]` arrays from outside its
+    arguments, in random nestings of `scan`, `cond`, `vmap` and `jit`, with marks."""
+    kind = rng.choice(["op", "op", "scan", "cond", "vmap", "jit"]) if depth < 3 else "op"
+    name = f"w{len(_CLOSED)}"
+    _CLOSED[name] = jnp.asarray(rng.normal(size=3), jnp.float32)
+    if not jitted and kind != "jit":
+        _UNJITTED.append(name)
+    jitted = jitted or kind == "jit"
+    if kind == "op":
+        f = rng.choice([jnp.tanh, jnp.sin, jnp.cos])
+        return lambda x: stx.save_inter(f(x * _CLOSED[name]), name=name)
+    inner = _random_program(rng, depth + 1, jitted)
+    if kind == "scan":
+        return lambda x: jax.lax.scan(lambda c, _: (inner(c) + _CLOSED[name], None), x, None, 2)[0]
+    if kind == "cond":
+        other = _random_program(rng, depth + 1, jitted)
+        return lambda x: jax.lax.cond(jnp.sum(x * _CLOSED[name]) > 0, inner, other, x)
+    if kind == "vmap":
+        return lambda x: jnp.mean(jax.vmap(inner)(x[None] * _CLOSED[name][:, None]), 0)
+    return jax.jit(lambda x: inner(x) * _CLOSED[name])
+
+
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.exhaustive) for s in (1, 2))]
+)
+def test_random_programs_kept_by_structure_answer_as_eager_calls(seed):
+    """A random program, run through `Programs` (what a sweep, a recorder and `summarize=`
+    compile): after its closed-over arrays change values, one program answers for it as an
+    eager `pull` does (the very constants passed in, a swapped one would show); after one
+    read outside any `jax.jit` changes shape, another program is compiled (inside one,
+    `jax.jit` keeps its trace, and so does the answer)."""
+    from statax._drivers.programs import Programs
+
+    rng = np.random.default_rng(seed)
+    for _ in range(6):
+        _CLOSED.clear()
+        _UNJITTED.clear()
+        fn = stx.pull(_random_program(rng))
+        programs = Programs()
+        x = jnp.asarray(rng.normal(size=3), jnp.float32)
+        for _ in range(3):
+            assert_same(programs(fn, x), fn(x))
+            for name in _CLOSED:  # new values, the same shapes
+                _CLOSED[name] = jnp.asarray(rng.normal(size=3), jnp.float32)
+        assert len(programs._programs) <= 2  # (a `cond` branch taken in Python: none here)
+        count = len(programs._programs)
+        for name in _UNJITTED[:1]:
+            _CLOSED[name] = jnp.ones((1,), jnp.float32)  # broadcasts: another shape
+            assert_same(programs(fn, x), fn(x))
+            assert len(programs._programs) == count + 1
