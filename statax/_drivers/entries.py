@@ -50,7 +50,8 @@ class Entry:
     literals: tuple[tuple[int, Any], ...]  # (position, dtype) of outputs that are constants
     ins: tuple[StateMeta, ...]  # what the rewritten jaxpr takes in (planted marks)
     in_avals: tuple
-    call: dict | None  # params of a `jit` equation that calls `jaxpr` (None: inline it)
+    call: dict | None  # params of a `jit` equation that calls `jaxpr`, its constants first as
+    # arguments (None: inline it)
     plans: dict = dataclasses.field(default_factory=dict)  # ran -> how the dict is made
     checked: bool = False  # whether `only=` was checked against the marks (`check_only`)
 
@@ -117,8 +118,10 @@ def evaluate(
 ) -> tuple[Any, dict[str, Any]]:
     if entry.call is not None and any(isinstance(x, jax.core.Tracer) for x in args):
         # In a trace, one equation (as a `jax.jit` of the function would be): evaluating the
-        # jaxpr would stage each of its equations again, doubling the cost of tracing.
-        flat = _primitives.JIT_PRIMITIVE.bind(*args, **entry.call)
+        # jaxpr would stage each of its equations again, doubling the cost of tracing. Its
+        # constants go in as arguments, so that they become the trace's own: a program keyed by
+        # what it computes (`Programs`) is then the same for new values of what `fn` reads.
+        flat = _primitives.JIT_PRIMITIVE.bind(*entry.jaxpr.consts, *args, **entry.call)
     else:
         flat = jex.jaxpr_as_fun(entry.jaxpr)(*args)
     if remark:
@@ -174,7 +177,11 @@ def _trace(root, call, leaves, treedef, traced, only, avals, places: Plan = Plan
     )
     in_avals = tuple(new.in_avals[len(avals) :])
     escaped = any(isinstance(c, jax.core.Tracer) for c in new.consts)
-    call_params = None if escaped else _params.jit_call_params(new, _name_of(root))
+    call_params = (
+        None
+        if escaped
+        else _params.jit_call_params(_jaxprs.constants_as_inputs(new.jaxpr), _name_of(root))
+    )
     return Entry(
         jaxpr=new,
         metas=metas,
