@@ -1,8 +1,8 @@
 """statax's own state in JAX's trace context, and the effects its primitives carry.
 
 Each state (`PULLING`, `SCOPE`, `PLANTING`, `SELECTION`, `PLACES`, `STATEFUL`, `RAN_MASKS`,
-`DIFFERENTIATING`, `COTANGENTS`) is part of JAX's trace context, so that `jax.jit` keeps the
-traces made under one apart from the others. Leans on `jax._src.config` and
+`DIFFERENTIATING`, `COTANGENTS`, `STEPS`) is part of JAX's trace context, so that `jax.jit`
+keeps the traces made under one apart from the others. Leans on `jax._src.config` and
 `jax._src.effects` (JAX 0.8 -- 0.12; listed in `docs/maintaining.md`).
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "SELECTION",
     "STATEFUL",
     "STATE_EFFECT",
+    "STEPS",
     "within",
 ]
 
@@ -138,6 +139,16 @@ RAN_MASKS = jax_config.bool_state(
     "statax_ran_masks",
     False,
     "Internal to statax: true while statax.pull(fn, ran=True) traces a function.",
+    include_in_trace_context=True,
+)
+
+# The bound on a `while_loop`'s iterations that the `pull` tracing keeps every one of
+# (`pull(fn, steps=N)`), or None: each loop then gives its last iteration. Part of the trace
+# context.
+STEPS = jax_config.string_or_object_state(
+    "statax_steps",
+    None,
+    "Internal to statax: the steps= bound while statax.pull(fn, steps=N) traces a function.",
     include_in_trace_context=True,
 )
 

@@ -5,9 +5,11 @@ under `vmap`; and making marks inert, for handlers that bind an equation as it w
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
@@ -27,8 +29,10 @@ __all__ = [
     "map_jaxprs",
     "mark",
     "register_exposer",
+    "set_steps",
     "split_leaves",
     "take",
+    "unstepped",
 ]
 
 
@@ -80,15 +84,46 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
         save_inter_p.bind(*part, meta=meta, status=COLLECTING)
 
 
-def take(metas: Sequence[StateMeta], avals: Sequence) -> list:
+def take(metas: Sequence[StateMeta], avals: Sequence, step: Callable | None = None) -> list:
     """Values fed in from outside (flat leaves of `avals`, described by `metas`): in an exposer,
     what the primitive's rewritten jaxprs take in; in a planted mark, its replacement. The
-    inverse of `mark`: each binds a placeholder mark that the walk turns into an input."""
+    inverse of `mark`: each binds a placeholder mark that the walk turns into an input.
+
+    A loop's handler passes `step`, a function of a meta and an aval giving its iteration index
+    of that type: a planted mark whose hook is given the step (`StateMeta.stepped`) then takes that
+    leaf from the loop, not from outside (see `set_steps`)."""
     leaves: list = []
     for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
+        if meta.stepped and step is not None:
+            *part, last = part
+            leaves.extend(take([unstepped(meta)], part) + [step(meta, last)])
+            continue
         zeros = [jnp.zeros(a.shape, a.dtype) for a in part]
         leaves.extend(save_inter_p.bind(*zeros, meta=meta, status=INPUT))
     return leaves
+
+
+def unstepped(meta: StateMeta) -> StateMeta:
+    """What a planted mark given the step (`meta.stepped`: its last leaf) takes from outside
+    once a loop gives it the step."""
+    trees = meta.treedef.children()[:-1]
+    return dataclasses.replace(
+        meta,
+        treedef=jax.tree_util.treedef_tuple(trees),
+        static_leaves=meta.static_leaves[:-1],
+        stepped=False,
+    )
+
+
+def set_steps(metas: Sequence[StateMeta], leaves: Sequence, step) -> list:
+    """`leaves` (as `take` gave them for `metas`) with each step leaf of a planted mark given
+    the step set to `step`, the loop's iteration index (a `while_loop` knows it only inside)."""
+    out: list = []
+    for meta, part in zip(metas, split_leaves(leaves, metas), strict=True):
+        out.extend(part)
+        if meta.stepped:
+            out[-1] = jnp.broadcast_to(jnp.asarray(step, out[-1].dtype), jnp.shape(out[-1]))
+    return out
 
 
 def split_leaves(leaves: Sequence, metas: Sequence[StateMeta]) -> list[Sequence]:

@@ -56,6 +56,12 @@ def current_selection() -> Callable[[StateMeta], bool] | None:
     return _context.SELECTION.value
 
 
+def loop_steps() -> int | None:
+    """The bound of `pull(fn, steps=N)`: a `while_loop` keeps every iteration, up to `N`
+    rows; `None`: its last iteration."""
+    return _context.STEPS.value
+
+
 def pulling():
     """Within, marks are bound as a tracing `pull` binds them (collected, `only=` applied):
     for a handler that traces a function JAX would trace only later (a custom rule)."""
@@ -84,7 +90,7 @@ def cached_per_selection(store: weakref.WeakKeyDictionary, key, compute):
     per_rewrite = store.get(key)
     if per_rewrite is None:
         per_rewrite = store[key] = {}
-    selection = (_context.SELECTION.value, _cotangents.keeping())
+    selection = (_context.SELECTION.value, _cotangents.keeping(), _context.STEPS.value)
     if selection not in per_rewrite:
         per_rewrite[selection] = compute()
     return per_rewrite[selection]

@@ -134,6 +134,12 @@ class StateMeta:
             first), per leading batch axis: how many of the loops still to stack it are inside
             that `vmap`. A loop that stacks it puts the axes with loops left in front of its
             own, so that the cotangent is laid out as its value is.
+        failed: for what a planted mark takes in, per hook of its name, the error that hook
+            raised on the value there (`""` where it did not): `plant` raises it where that hook
+            is planted, and nowhere else, since a hook runs only where it is planted.
+        stepped: for what a planted mark takes in, whether its last leaf is the iteration
+            index of the innermost loop around it (a hook of its name has a `step` parameter):
+            that loop's handler gives it (`exposers.take`), and outside any loop it is 0.
     """
 
     name: str
@@ -148,6 +154,8 @@ class StateMeta:
     grad: bool = False
     site: tuple = ()
     moves: tuple = ()
+    failed: tuple = ()
+    stepped: bool = False
 
     @property
     def planted_as(self) -> str:

@@ -15,7 +15,7 @@ from .._core.tracebacks import boundary
 from .._select.plan import Plan
 from . import nnx as _nnx
 from .planting import Add, Planting
-from .pull import Pulled, call_pulled, pull
+from .pull import Pulled, call_pulled, check_steps, pull
 
 __all__ = ["grad_inters", "plant"]
 
@@ -23,6 +23,7 @@ __all__ = ["grad_inters", "plant"]
 class _Planted(eqx.Module):
     fn: Callable
     at: tuple = eqx.field(static=True, default=())
+    steps: int | None = eqx.field(static=True, default=None)
 
     @boundary
     def __call__(self, values: Mapping[str, Any], *args, **kwargs):
@@ -45,11 +46,12 @@ class _Planted(eqx.Module):
             planting=planting,
             at=self.at,
             cotangents=planting.cotangents,
+            steps=self.steps,
         )
         return call_pulled(pulled, args, kwargs, values)[0]
 
 
-def plant(fn: Callable, *, at: Any = None) -> Callable:
+def plant(fn: Callable, *, at: Any = None, steps: int | None = None) -> Callable:
     """Transform `fn` to run with values planted at its marks.
 
     `plant(fn)(values, *args, **kwargs)` returns `fn(*args, **kwargs)`, computed with each
@@ -62,17 +64,24 @@ def plant(fn: Callable, *, at: Any = None) -> Callable:
     * an array (or a pytree of the marked value's structure): the marked value becomes it.
       Arrays are traced, so new values do not retrace. For a key stacked by a `scan`, it has
       the stacked shape, one row per iteration; in a `while_loop`, one iteration's shape, used
-      in every iteration; under an inner `vmap`, the batch axis first (an unbatched value is
-      broadcast);
+      in every iteration (with `steps=N`: `N` rows, row `i` planted in iteration `i`); under
+      an inner `vmap`, the batch axis first (an unbatched value is broadcast);
     * a function of the old value (a hook, compared by identity: define it once), applied in
-      every iteration and every example: `lambda v: v * 0` ablates, `lambda v: v + d` steers.
+      every iteration and every example where it is planted, and run nowhere else:
+      `lambda v: v * 0` ablates, `lambda v: v + d` steers. A hook with a parameter named
+      `step` is also given the iteration of the innermost loop around the mark (a `scan`'s
+      or a `while_loop`'s; 0 outside any loop): `lambda v, step: jnp.where(step >= 5, v + d,
+      v)` steers from the sixth generated token on.
 
     With `at=`, the places a selection makes are marks too, keyed as `pull(fn, at=...)` keys
     them (see "Looking inside a model you did not write").
 
     What `pull` returned can be given back whole: `plant(fn)(pull(fn)(*args)[1], *args)`
-    equals `fn(*args)`. A marked Python number is planted as a weakly typed array (as
-    `jax.jit` takes a Python number argument); the other leaves that are not arrays (a
+    equals `fn(*args)`, and where a `while_loop` holds marks,
+    `plant(fn, steps=N)(pull(fn, steps=N)(*args)[1], *args)` does (without `steps=`, a
+    `while_loop` gives its last iteration, which `plant` would put into every iteration). A
+    marked Python number is planted as a weakly typed array (as `jax.jit` takes a Python
+    number argument); the other leaves that are not arrays (a
     string, `None`) must be given as `pull` returned them. The reduced entries `pull` returned
     (their keys have `key.reduce`) sum up many values, not one value of the program: given
     back, they plant nothing (a name saved with `reduce=` given as a plain string is an error).
@@ -84,6 +93,8 @@ def plant(fn: Callable, *, at: Any = None) -> Callable:
 
     Args:
         fn: any callable, as for `pull`.
+        at: places nobody marked, as for `pull`.
+        steps: as for `pull`: a `while_loop`'s marks take `steps` rows, one per iteration.
 
     Returns:
         A callable `(values, *args, **kwargs) -> out`, `values` as above.
@@ -105,7 +116,7 @@ def plant(fn: Callable, *, at: Any = None) -> Callable:
     """
     if not callable(fn):
         raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
-    return _Planted(fn, Plan.of(at).at)
+    return _Planted(fn, Plan.of(at).at, check_steps(steps, "stx.plant"))
 
 
 def _differentiable(value) -> bool:

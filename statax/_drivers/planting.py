@@ -14,6 +14,7 @@ work that only fed the replaced value.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,39 +98,84 @@ class Planting:
                 "occurrences combine into one entry, so no one of them can be planted. To fix: "
                 "plant a name saved without reduce=."
             )
-        hooked = [_hooked(meta, hook, value, arrays) for hook in self.hooks_of(meta.planted_as)]
         # The placeholder reads the marked arrays (behind stop_gradient: what comes in is a
         # constant to derivatives), so that it stays where the mark is: a placeholder of
         # constants alone would be hoisted out of a loop body as loop-invariant.
         operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
+        hooks = self.hooks_of(meta.planted_as)
+        stepped = any(map(_takes_step, hooks))
+        failed = tuple(_failure(meta, hook, value, arrays, stepped) for hook in hooks)
         if self.masked:  # and where, element by element, a replacement goes
             operands += [jnp.zeros_like(x, dtype=bool) for x in arrays]
+        if stepped:  # and the iteration, which the loop around gives (`exposers.take`)
+            operands.append(operands[0])
         choice, *taken = save_inter_p.bind(
             *map(jax.lax.stop_gradient, operands),
-            meta=in_meta(meta, self.masked),
+            meta=dataclasses.replace(
+                in_meta(meta, self.masked, stepped), failed=failed, stepped=stepped
+            ),
             status=INPUT,
         )
+        step = taken.pop() if stepped else None
         replacement = taken[: len(arrays)]
         masks = taken[len(arrays) :] if self.masked else [None] * len(arrays)
         out = []
-        for i, (x, r, m) in enumerate(zip(arrays, replacement, masks, strict=True)):
+        for x, r, m in zip(arrays, replacement, masks, strict=True):
             added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
             replaced = r if m is None else jnp.where(m, r, x)
-            out.append(jax.lax.select_n(choice, x, replaced, added, *(h[i] for h in hooked)))
-        return out
+            out.append(jax.lax.select_n(jnp.minimum(choice, ADD), x, replaced, added))
+        if not hooks:
+            return out
+        # Each hook runs only where it is planted: a branch of a `switch` on the choice, so
+        # that its effects (a callback, a count in named state) happen there alone, and a hook
+        # that fails on another occurrence's value (another shape) is no error there.
+        branches = [lambda: out] + [
+            _hook_branch(meta, hook, value, arrays, f, step)
+            for hook, f in zip(hooks, failed, strict=True)
+        ]
+        return jax.lax.switch(jnp.clip(choice - ADD, 0, len(hooks)), branches)
 
 
-def in_meta(meta: StateMeta, masked: bool = False) -> StateMeta:
+def in_meta(meta: StateMeta, masked: bool = False, stepped: bool = False) -> StateMeta:
     """What a planted mark takes in: its choice, then a replacement of the value's structure
-    (and, `masked`, masks of it: where the replacement goes)."""
-    trees = (jax.tree_util.tree_structure(0), meta.treedef) + ((meta.treedef,) if masked else ())
+    (and, `masked`, masks of it: where the replacement goes; `stepped`, the iteration)."""
+    one = jax.tree_util.tree_structure(0)
+    trees = (one, meta.treedef) + ((meta.treedef,) if masked else ()) + ((one,) * stepped)
     static = (ARRAY, *meta.static_leaves, *(meta.static_leaves if masked else ()))
+    static += (ARRAY,) * stepped
     treedef = jax.tree_util.treedef_tuple(trees)
     return dataclasses.replace(meta, treedef=treedef, static_leaves=static)
 
 
-def _hooked(meta, hook, value, arrays) -> list:
-    new = hook(value)
+def _takes_step(hook) -> bool:
+    """Whether `hook` has a parameter named `step` (then it is given the iteration)."""
+    try:
+        return "step" in inspect.signature(hook).parameters
+    except (TypeError, ValueError):  # (no signature to read)
+        return False
+
+
+def _failure(meta, hook, value, arrays, stepped: bool) -> str:
+    """The error `hook` raises on the marked value (traced apart, so nothing of it runs), or
+    `""`: raised by `feed` where the hook is planted (see `Planting.plant`)."""
+    step = jnp.zeros((), np.int32) if stepped else None
+    try:
+        jax.eval_shape(lambda: _hooked(meta, hook, value, arrays, step))
+    except Exception as error:  # noqa: BLE001 (any error of the user's hook)
+        return str(error) if isinstance(error, PlantError) else f"{type(error).__name__}: {error}"
+    return ""
+
+
+def _hook_branch(meta, hook, value, arrays, failed: str, step):
+    """The branch of a planted mark that runs `hook` (its value unchanged where the hook fails
+    there: `feed` raises where it is planted)."""
+    if failed:
+        return lambda: list(arrays)
+    return lambda: _hooked(meta, hook, value, arrays, step)
+
+
+def _hooked(meta, hook, value, arrays, step=None) -> list:
+    new = hook(value, step=step) if step is not None and _takes_step(hook) else hook(value)
     leaves, treedef = jax.tree_util.tree_flatten(new)
     got = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
     want = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in arrays]
@@ -180,6 +226,9 @@ def feed(
         leaf_avals = avals[start : start + meta.num_arrays]
         start += meta.num_arrays
         choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
+        step_avals = []
+        if meta.stepped:  # (outside any loop: step 0)
+            value_avals, step_avals = value_avals[:-1], value_avals[-1:]
         mask_avals = []
         if planting.masked:  # (the masks after the values)
             half = len(value_avals) // 2
@@ -191,16 +240,28 @@ def feed(
             out.append(_switched(spec, choice_aval))
             out.extend(_replacement(key, meta, spec.value, value_avals))
             out.extend(masks)
+            out.extend(np.zeros(a.shape, a.dtype) for a in step_avals)
             continue
         if isinstance(spec, Add):
             code, replacement = ADD, spec.value
         elif callable(spec):
-            code = HOOK + planting.hooks_of(meta.planted_as).index(spec)
+            j = planting.hooks_of(meta.planted_as).index(spec)
+            if meta.failed and meta.failed[j]:
+                raise PlantError(
+                    meta.failed[j]
+                    if meta.failed[j].startswith("stx.plant")
+                    else (
+                        f"stx.plant: the hook {spec!r} for {key!r} (save_inter at {meta.location}) "
+                        f"raised {meta.failed[j]}"
+                    )
+                )
+            code = HOOK + j
         elif spec is not None:
             code, replacement = REPLACE, spec
         out.append(np.full(choice_aval.shape, code, np.int32))
         out.extend(_replacement(key, meta, replacement, value_avals))
         out.extend(np.ones(a.shape, bool) for a in mask_avals)
+        out.extend(np.zeros(a.shape, a.dtype) for a in step_avals)
     return out
 
 

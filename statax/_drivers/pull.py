@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._core import context as _context
 from .._core import fastpaths as _fastpaths
@@ -35,7 +36,7 @@ _NO_PLAN = Plan()
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["fn"],
-    meta_fields=["only", "enabled", "summarize", "ran", "planting", "at", "cotangents"],
+    meta_fields=["only", "enabled", "summarize", "ran", "planting", "at", "cotangents", "steps"],
 )
 @dataclasses.dataclass(frozen=True)
 class Pulled:
@@ -50,6 +51,7 @@ class Pulled:
     planting: Any = None  # for `plant`: a `_plant.Planting`
     at: tuple = ()  # selections (`_select`): marks made where none were written
     cotangents: bool = False  # also the cotangents that flow back through the marks
+    steps: int | None = None  # every iteration of a `while_loop`, up to this many
 
     @property
     def __wrapped__(self) -> Callable:
@@ -100,6 +102,7 @@ def _call_pulled(pulled: Pulled, args, kwargs, values=None):
         plan, traced = selected.split(into_trace=not planted and not pulled.ran)
     eager = (
         _fastpaths.on
+        and pulled.steps is None
         and not plan
         and not pulled.cotangents
         and values is None
@@ -132,7 +135,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, traced: Plan 
     if values is None and planting is None and summarize is None and _fastpaths.on:
         trace = _staging.staging_trace()
         if trace is not None and _context.PLANTING.value is None:
-            with _context.COTANGENTS(pulled.cotangents):
+            with _context.COTANGENTS(pulled.cotangents), _steps(pulled):
                 return inline(trace, call, leaves, treedef, only, ran, traced)
     # `plant` traces with its planting in force (within an enclosing plant, that one stays).
     # Where the inputs are differentiated, the rules of custom derivatives run: their marks
@@ -143,6 +146,7 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, traced: Plan 
         _context.DIFFERENTIATING(differentiating),
         _context.RAN_MASKS(ran),
         _context.COTANGENTS(pulled.cotangents),
+        _steps(pulled),
     ):
         entry, dynamic = entry_for(root, call, leaves, treedef, only, pulled.at, traced)
     if eager and follows_jit(root) and _compiled.one_jit(entry):
@@ -160,6 +164,26 @@ def _run(pulled, root, call, leaves, treedef, values, eager=False, traced: Plan 
     return evaluate(entry, [*dynamic, *fed], ran, remark)
 
 
+def _steps(pulled: Pulled):
+    """In force while `pulled` traces: its `steps=` bound (an enclosing pull's stays where it
+    sets none)."""
+    if pulled.steps is None:
+        return contextlib.nullcontext()
+    return _context.STEPS(pulled.steps)
+
+
+def check_steps(steps, who: str) -> int | None:
+    """`steps=` as given to `who`: `None`, or a positive number of rows."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise TypeError(
+            f"{who}(..., steps=...) takes a positive int, the most iterations a while_loop "
+            f"keeps (one row each), or None (its last iteration); got {steps!r}."
+        )
+    return int(steps)
+
+
 def pull(
     fn: Callable,
     *,
@@ -169,6 +193,7 @@ def pull(
     ran: bool = False,
     at: Any = None,
     cotangents: bool = False,
+    steps: int | None = None,
 ) -> Callable:
     """Transform `fn` to also return every value marked with `save_inter` inside it.
 
@@ -243,4 +268,5 @@ def pull(
         ran=bool(ran),
         at=plan.at,
         cotangents=bool(cotangents),
+        steps=check_steps(steps, "stx.pull"),
     )

@@ -22,12 +22,14 @@ from .._core.exposers import inert as inert
 from .._core.exposers import map_jaxprs as map_jaxprs
 from .._core.exposers import mark as mark
 from .._core.exposers import register_exposer as register_exposer
+from .._core.exposers import set_steps as set_steps
 from .._core.exposers import split_leaves as split_leaves
 from .._core.exposers import take as take
 from .._core.marks import acts_on as acts_on
 from .._core.marks import current_selection as current_selection
 from .._core.marks import find_saves as find_saves
 from .._core.marks import find_saves_in_impl as find_saves_in_impl
+from .._core.marks import loop_steps as loop_steps
 from .._core.marks import pull_differentiates as pull_differentiates
 from .._core.marks import pulling as pulling
 from .._core.marks import trace_impl as trace_impl
@@ -101,6 +103,7 @@ __all__ = [
     "handler_from_exposer",
     "inert",
     "kinds_str",
+    "loop_steps",
     "map_jaxprs",
     "mark",
     "occurrences",
@@ -119,6 +122,7 @@ __all__ = [
     "register_rules",
     "restage_equation",
     "save_inter_p",
+    "set_steps",
     "share_taps",
     "split_leaves",
     "take",

@@ -49,6 +49,7 @@ from statax.extend import (
     batched_state_guard,
     equations,
     handler_from_exposer,
+    loop_steps,
     mark,
     params,
     pull_jaxpr,
@@ -56,10 +57,12 @@ from statax.extend import (
     register_exposer,
     register_handler,
     restage_equation,
+    set_steps,
     split_leaves,
     take,
 )
 from statax.extend import equinox as equinox_internals
+from statax.handlers import loop_rows as rows
 
 
 def _scan_exposer(*args, **eqn_params):
@@ -157,12 +160,25 @@ def _planted_stacked(ins, avals, length: int) -> list:
         for i, a in enumerate(part):
             front = a.shape[:k] if i else ()
             given.append(a.update(shape=(*front, length, *a.shape[len(front) :])))
-    taken = split_leaves(take(_stacked(ins), given), ins)
+    taken = split_leaves(take(_stacked(ins), given, step=_rows(length)), ins)
     return [
         jnp.moveaxis(x, _moving(meta), 0) if i else x
         for meta, part in zip(ins, taken, strict=True)
         for i, x in enumerate(part)
     ]
+
+
+def _rows(length: int):
+    """For `take`: a hook's step in a scan's body, each row's index (along the loop's axis,
+    after the batch axes a cotangent keeps in front: see `_planted_stacked`)."""
+
+    def step(meta, aval):
+        k = _moving(meta)
+        shape = [1] * len(aval.shape)
+        shape[k] = length
+        return jnp.broadcast_to(jnp.arange(length, dtype=aval.dtype).reshape(shape), aval.shape)
+
+    return step
 
 
 def _bounded_loop_scan(args, parts, body, metas, ins):
@@ -177,12 +193,13 @@ def _bounded_loop_scan(args, parts, body, metas, ins):
     num_out = len(parts.jaxpr.out_avals)
     consts = args[:num_consts]
     init, xs = args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
-    planted = take(ins, body.in_avals[len(args) :])
+    planted = take(ins, body.in_avals[len(args) :], step=_zero_step)
     last0 = [jnp.zeros(a.shape, a.dtype) for a in body.out_avals[num_out:]]
 
     def step(state, x):
         carry, last = state
-        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x, *planted)
+        now = set_steps(ins, planted, carry[0])  # (equinox's step counter)
+        flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x, *now)
         new_carry = list(flat[:num_carry])
         ran = (new_carry[0] != carry[0]) & carry[1]
         new = _update(metas, last, flat[num_out:])
@@ -198,6 +215,11 @@ def _bounded_loop_scan(args, parts, body, metas, ins):
         unroll=parts.unroll,
     )
     return [*carry, *ys], last
+
+
+def _zero_step(meta, aval):
+    """For `take`: a placeholder for a hook's step, which a `while_loop` sets inside."""
+    return jnp.zeros(aval.shape, aval.dtype)
 
 
 def _update(metas, old, new):
@@ -297,36 +319,85 @@ def _while_exposer(*args, **eqn_params):
     for meta in (*cond_metas, *body_metas):
         reductions.check_in_while(meta)
     n = len(init)
-    # Planted values: one each, used in every iteration.
-    cond_planted = take(cond_ins, cond_fn.in_avals[cond_nconsts + n :])
-    body_planted = take(body_ins, body_fn.in_avals[body_nconsts + n :])
+    steps = loop_steps()  # every iteration in rows (`loop_rows`), or the last one
+    cond_avals, body_avals = (
+        cond_fn.in_avals[cond_nconsts + n :],
+        body_fn.in_avals[body_nconsts + n :],
+    )
+    if steps is None:  # planted values: one each, used in every iteration
+        cond_planted = take(cond_ins, cond_avals, step=_zero_step)
+        body_planted = take(body_ins, body_avals, step=_zero_step)
+    else:  # one row per iteration (per evaluation of `cond_fun`)
+        cond_planted = take(
+            _stacked(cond_ins), rows.stacked_avals(cond_avals, steps + 1), step=_zero_step
+        )
+        body_planted = take(
+            _stacked(body_ins), rows.stacked_avals(body_avals, steps), step=_zero_step
+        )
     running = _loop_running(cond_jaxpr, init)
 
-    def evaluate_cond(carry):
-        pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry, *cond_planted)
+    def evaluate_cond(carry, i):
+        planted = cond_planted if steps is None else rows.row(cond_planted, i)
+        planted = set_steps(cond_ins, planted, i)
+        pred, *leaves = jex.jaxpr_as_fun(cond_fn)(*cond_consts, *carry, *planted)
         return pred, leaves
 
+    def keep(metas, old, new, i):
+        return _update(metas, old, new) if steps is None else rows.write(metas, old, new, i)
+
     def body(state):
-        carry, _, body_old, cond_old = state
-        flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry, *body_planted)
-        new_carry, body_leaves = list(flat[:n]), _update(body_metas, body_old, flat[n:])
+        carry, _, body_old, cond_old, i = state
+        planted = body_planted if steps is None else rows.row(body_planted, i)
+        planted = set_steps(body_ins, planted, i)
+        flat = jex.jaxpr_as_fun(body_fn)(*body_consts, *carry, *planted)
+        new_carry, body_leaves = list(flat[:n]), keep(body_metas, body_old, flat[n:], i)
+        following = i + 1
         if running is not None:
             # An equinox loop under vmap runs every example until all are done and masks its
-            # own state with its per-example flag: mask the intermediates alike.
+            # own state with its per-example flag: mask the intermediates (and count) alike.
             ran = carry[running]
             body_leaves = [
                 equinox_internals.select_if_vmap(ran, b, a)
                 for a, b in zip(body_old, body_leaves, strict=True)
             ]
-        pred, cond_leaves = evaluate_cond(new_carry)
-        return new_carry, pred, body_leaves, _update(cond_metas, cond_old, cond_leaves)
+            following = equinox_internals.select_if_vmap(ran, following, i)
+        pred, cond_leaves = evaluate_cond(new_carry, following)
+        return (
+            new_carry,
+            pred,
+            body_leaves,
+            keep(cond_metas, cond_old, cond_leaves, following),
+            following,
+        )
 
-    pred, cond_leaves = evaluate_cond(init)
-    body_leaves = [jnp.zeros(a.shape, a.dtype) for a in body_fn.out_avals[n:]]
-    carry, _, body_leaves, cond_leaves = jax.lax.while_loop(
-        lambda state: state[1], body, (list(init), pred, body_leaves, cond_leaves)
+    i = jnp.zeros((), jnp.int32)
+    pred, cond_leaves = evaluate_cond(init, i)
+    body_out = body_fn.out_avals[n:]
+    if steps is None:
+        body_leaves = [jnp.zeros(a.shape, a.dtype) for a in body_out]
+    else:
+        body_leaves = rows.empty_rows(body_metas, body_out, steps)
+        cond_leaves = rows.write(
+            cond_metas,
+            rows.empty_rows(cond_metas, cond_fn.out_avals[1:], steps + 1),
+            cond_leaves,
+            i,
+        )
+    carry, _, body_leaves, cond_leaves, count = jax.lax.while_loop(
+        lambda state: state[1], body, (list(init), pred, body_leaves, cond_leaves, i)
     )
-    mark([*cond_leaves, *body_leaves], (*cond_metas, *body_metas))
+    metas = (*cond_metas, *body_metas)
+    if steps is None:
+        mark([*cond_leaves, *body_leaves], metas)
+    elif metas:
+        rows.check_bound(count, steps, f"holding {metas[0].name!r} ({metas[0].location})")
+        parts = split_leaves([*cond_leaves, *body_leaves], metas)
+        leaves = [
+            x
+            for m, part in zip(metas, parts, strict=True)
+            for x in (part if reductions.running(m) else _unstack_reduced([m], [part]))
+        ]
+        mark(leaves, _stacked(metas))
     return carry
 
 
