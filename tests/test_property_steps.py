@@ -173,8 +173,9 @@ def _innermost(tree, by_step):
     loops = _loop_axes(tree)
     return {
         n: (
-            lambda v, w, n=n: v
-            + 0.1 * next((w[i] for i in reversed(range(len(w))) if loops[n][i]), 0)
+            lambda v, w, n=n: (
+                v + 0.1 * next((w[i] for i in reversed(range(len(w))) if loops[n][i]), 0)
+            )
         )
         for n in by_step
     }
