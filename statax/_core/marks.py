@@ -9,6 +9,7 @@ import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.extend import core as jex
@@ -28,6 +29,8 @@ __all__ = [
     "find_saves",
     "find_saves_in",
     "find_saves_in_impl",
+    "inner_steps",
+    "loop_steps",
     "selecting",
     "traced_impl",
 ]
@@ -56,10 +59,20 @@ def current_selection() -> Callable[[StateMeta], bool] | None:
     return _context.SELECTION.value
 
 
-def loop_steps() -> int | None:
-    """The bound of `pull(fn, steps=N)`: a `while_loop` keeps every iteration, up to `N`
-    rows; `None`: its last iteration."""
-    return _context.STEPS.value
+def loop_steps() -> tuple[int | None, Any]:
+    """For a `while_loop`'s handler, from `pull(fn, steps=...)`: how many iterations this loop
+    keeps in rows (`None`: its last one), and what the loops in its body keep (to trace its
+    body under, with `inner_steps`). `steps=N` is `N` for every loop; a tuple is per depth of
+    `while_loop`s, the outermost first, and a loop deeper than it lists keeps its last."""
+    steps = _context.STEPS.value
+    if isinstance(steps, tuple):
+        return steps[0], (steps[1:] or None)
+    return steps, steps
+
+
+def inner_steps(steps):
+    """Within, the `while_loop`s traced keep `steps` (the second of `loop_steps`)."""
+    return _context.STEPS(steps)
 
 
 def pulling():

@@ -129,11 +129,11 @@ class Planting:
         # Each hook runs only where it is planted: a branch of a `switch` on the choice, so
         # that its effects (a callback, a count in named state) happen there alone, and a hook
         # that fails on another occurrence's value (another shape) is no error there.
-        branches = [lambda: out] + [
+        cases = [lambda: out] + [
             _hook_branch(meta, hook, value, arrays, f, step)
             for hook, f in zip(hooks, failed, strict=True)
         ]
-        return jax.lax.switch(jnp.clip(choice - ADD, 0, len(hooks)), branches)
+        return jax.lax.switch(jnp.clip(choice - ADD, 0, len(hooks)), cases)
 
 
 def in_meta(meta: StateMeta, masked: bool = False, stepped: bool = False) -> StateMeta:

@@ -51,7 +51,7 @@ class Pulled:
     planting: Any = None  # for `plant`: a `_plant.Planting`
     at: tuple = ()  # selections (`_select`): marks made where none were written
     cotangents: bool = False  # also the cotangents that flow back through the marks
-    steps: int | None = None  # every iteration of a `while_loop`, up to this many
+    steps: Any = None  # every iteration of a `while_loop`, up to this many (per depth)
 
     @property
     def __wrapped__(self) -> Callable:
@@ -172,14 +172,22 @@ def _steps(pulled: Pulled):
     return _context.STEPS(pulled.steps)
 
 
-def check_steps(steps, who: str) -> int | None:
-    """`steps=` as given to `who`: `None`, or a positive number of rows."""
+def check_steps(steps, who: str):
+    """`steps=` as given to `who`: `None`, a positive number of rows, or a tuple of them (or
+    `None`), one per depth of `while_loop`s."""
     if steps is None:
         return None
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+
+    def rows(n):
+        return not isinstance(n, bool) and isinstance(n, (int, np.integer)) and n >= 1
+
+    if isinstance(steps, (tuple, list)) and steps and all(n is None or rows(n) for n in steps):
+        return tuple(None if n is None else int(n) for n in steps)
+    if not rows(steps):
         raise TypeError(
             f"{who}(..., steps=...) takes a positive int, the most iterations a while_loop "
-            f"keeps (one row each), or None (its last iteration); got {steps!r}."
+            "keeps (one row each), a tuple of them (or None), one per depth of while_loops, "
+            f"the outermost first, or None (each loop's last iteration); got {steps!r}."
         )
     return int(steps)
 

@@ -29,6 +29,7 @@ from .._core.marks import acts_on as acts_on
 from .._core.marks import current_selection as current_selection
 from .._core.marks import find_saves as find_saves
 from .._core.marks import find_saves_in_impl as find_saves_in_impl
+from .._core.marks import inner_steps as inner_steps
 from .._core.marks import loop_steps as loop_steps
 from .._core.marks import pull_differentiates as pull_differentiates
 from .._core.marks import pulling as pulling
@@ -102,6 +103,7 @@ __all__ = [
     "find_saves_in_impl",
     "handler_from_exposer",
     "inert",
+    "inner_steps",
     "kinds_str",
     "loop_steps",
     "map_jaxprs",

@@ -21,15 +21,20 @@ Under `stateful`, both run their Python functions traced, and thread the state t
 The other equinox constructs need no handler of their own: `eqx.filter_jit` is a `jit`,
 `eqx.filter_checkpoint` a `checkpoint`, and `eqx.internal.while_loop` is built from `while`
 (`kind="lax"`), custom derivatives around a `while` (`"checkpointed"`) or `scan`s of `cond`s
-(`"bounded"`); see the semantics table in the docs.
+(`"bounded"`); see the semantics table in the docs. How those loops look in a jaxpr (the carry
+equinox adds, its per-example flag) is read here, for the loop handlers (`loops`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import jax.numpy as jnp
+from jax.extend import core as jex
+
 from statax.extend import (
     call_equation,
+    equations,
     find_saves,
     find_saves_in_impl,
     handler_from_exposer,
@@ -105,3 +110,43 @@ register_family(
     find_saves=find_saves_in_impl,
     runs=_filter_primitive_runs,
 )
+
+
+# ---- equinox's loops: how they look in a jaxpr (equinox 0.13, `equinox.internal._loop`) --------
+
+
+def is_bounded_step(body: jex.ClosedJaxpr, init) -> bool:
+    """Whether a `scan` with this body and initial carry is a level of an
+    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
+    over equinox's loop carry `(step, pred, prev_pred, *state)` (see `loop_running`), whose
+    `cond_fun` calls `unvmap_any`. Differentiated (`pull(grad(f))`), the loop is JAX's forward
+    pass of it, whose dead-code elimination may drop `prev_pred`: `(step, pred)` is what the
+    loop needs to know which steps ran, and what it checks."""
+    return _equinox_carry(init, prev=False) and _calls(body, "unvmap_any")
+
+
+def _equinox_carry(init, prev: bool = True) -> bool:
+    """Whether `init` starts with equinox's `(step, pred, prev_pred)` (`prev=False`: with
+    `(step, pred)`)."""
+    if len(init) < 2 + prev:
+        return False
+    step, *flags = init[: 2 + prev]  # values or their types: both have a shape and a dtype
+    flags_ok = all(a.shape == () and a.dtype == jnp.bool_ for a in flags)
+    return flags_ok and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
+
+
+def _calls(jaxpr, name: str) -> bool:
+    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
+    return any(eqn.primitive.name == name for eqn in equations(jaxpr))
+
+
+def loop_running(cond_jaxpr: jex.ClosedJaxpr, init) -> int | None:
+    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
+    its carry of equinox's per-example "still running" flag; else `None`.
+
+    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
+    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
+    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
+    if _equinox_carry(init) and _calls(cond_jaxpr, "unvmap_any"):
+        return 1
+    return None

@@ -47,8 +47,8 @@ from statax.extend import (
     StateError,
     batched_outputs,
     batched_state_guard,
-    equations,
     handler_from_exposer,
+    inner_steps,
     loop_steps,
     mark,
     params,
@@ -63,6 +63,8 @@ from statax.extend import (
 )
 from statax.extend import equinox as equinox_internals
 from statax.handlers import loop_rows as rows
+from statax.handlers.equinox import is_bounded_step as _is_bounded_step
+from statax.handlers.equinox import loop_running as _loop_running
 
 
 def _scan_exposer(*args, **eqn_params):
@@ -189,6 +191,15 @@ def _bounded_loop_scan(args, parts, body, metas, ins):
     was still set."""
     for meta in metas:
         reductions.check_in_while(meta)
+    if loop_steps()[0] is not None:
+        raise StateError(
+            f"stx.pull(..., steps=...) cannot keep every iteration of an equinox while_loop "
+            f"of kind 'bounded' (a scan of conds; it holds {metas[0].name!r} saved at "
+            f"{metas[0].location}): it keeps its last iteration only. To fix: pass steps=None "
+            "for this loop (a tuple of steps= gives one bound per depth), or use the loop's "
+            "kind 'checkpointed' or 'lax' (diffrax: RecursiveCheckpointAdjoint, not "
+            "DirectAdjoint)."
+        )
     num_consts, num_carry = parts.num_consts, parts.num_carry
     num_out = len(parts.jaxpr.out_avals)
     consts = args[:num_consts]
@@ -314,12 +325,13 @@ def _while_exposer(*args, **eqn_params):
     cond_consts = args[:cond_nconsts]
     body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
-    cond_fn, cond_metas, cond_ins = pull_jaxpr(cond_jaxpr)
-    body_fn, body_metas, body_ins = pull_jaxpr(body_jaxpr)
+    steps, inner = loop_steps()  # every iteration in rows (`loop_rows`), or the last one
+    with inner_steps(inner):
+        cond_fn, cond_metas, cond_ins = pull_jaxpr(cond_jaxpr)
+        body_fn, body_metas, body_ins = pull_jaxpr(body_jaxpr)
     for meta in (*cond_metas, *body_metas):
         reductions.check_in_while(meta)
     n = len(init)
-    steps = loop_steps()  # every iteration in rows (`loop_rows`), or the last one
     cond_avals, body_avals = (
         cond_fn.in_avals[cond_nconsts + n :],
         body_fn.in_avals[body_nconsts + n :],
@@ -449,43 +461,3 @@ register_exposer(
     ),
     **_LOOP,
 )
-
-
-# ---- equinox's loops: how they look in a jaxpr (equinox 0.13, `equinox.internal._loop`) --------
-
-
-def _is_bounded_step(body: jex.ClosedJaxpr, init) -> bool:
-    """Whether a `scan` with this body and initial carry is a level of an
-    `eqx.internal.while_loop(kind="bounded")`: nested scans of `cond(cond_fun(val), ...)`
-    over equinox's loop carry `(step, pred, prev_pred, *state)` (see `_loop_running`), whose
-    `cond_fun` calls `unvmap_any`. Differentiated (`pull(grad(f))`), the loop is JAX's forward
-    pass of it, whose dead-code elimination may drop `prev_pred`: `(step, pred)` is what the
-    loop needs to know which steps ran, and what it checks."""
-    return _equinox_carry(init, prev=False) and _calls(body, "unvmap_any")
-
-
-def _equinox_carry(init, prev: bool = True) -> bool:
-    """Whether `init` starts with equinox's `(step, pred, prev_pred)` (`prev=False`: with
-    `(step, pred)`)."""
-    if len(init) < 2 + prev:
-        return False
-    step, *flags = init[: 2 + prev]  # values or their types: both have a shape and a dtype
-    flags_ok = all(a.shape == () and a.dtype == jnp.bool_ for a in flags)
-    return flags_ok and step.shape == () and jnp.issubdtype(step.dtype, jnp.integer)
-
-
-def _calls(jaxpr, name: str) -> bool:
-    """Whether `jaxpr` binds the primitive called `name`, at any depth."""
-    return any(eqn.primitive.name == name for eqn in equations(jaxpr))
-
-
-def _loop_running(cond_jaxpr: jex.ClosedJaxpr, init) -> int | None:
-    """For the `while` of an `eqx.internal.while_loop` (any kind but "bounded"), the index in
-    its carry of equinox's per-example "still running" flag; else `None`.
-
-    equinox rewrites a loop to carry `(step, pred, prev_pred, *state)` and to stop on
-    `unvmap_any(pred)`, so that under `vmap` every example runs until all are done, and the
-    body masks the state with `pred` itself (equinox 0.13, `equinox.internal._loop.common`)."""
-    if _equinox_carry(init) and _calls(cond_jaxpr, "unvmap_any"):
-        return 1
-    return None
