@@ -259,3 +259,45 @@ def test_gpt2_generate_steered_from_a_step_on(gpt2):
     )
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got, gen(IDS))  # (the steering changed the generation)
+
+
+# ---- recording generations ---------------------------------------------------------------------
+
+
+def test_recording_a_generation_stores_every_token_and_how_many(tmp_path):
+    params = _params()
+    prompts = jnp.stack(PROMPTS)
+    batched = jax.vmap(decode_while, (None, 0, None))  # (the batch outside the loop: axis 0)
+    loop = ["block_2", "block_3"]  # the loop's rows alone, not the prompt's call
+    with stx.record(
+        batched, to=tmp_path / "s", keys=loop, steps=8, ran=True, progress=False
+    ) as recorder:
+        for _ in range(2):
+            recorder(params, prompts, 6)
+    store = stx.open_store(tmp_path / "s")
+    _, inters = stx.pull(batched, steps=8, ran=True)(params, prompts, 6)
+    inters = {k: v for k, v in inters.items() if k.split(".")[0] in loop}
+    assert sorted(store) == sorted(inters) == ["block_2", "block_2.ran", "block_3", "block_3.ran"]
+    for key, value in inters.items():
+        np.testing.assert_allclose(store[key][:], np.concatenate([value, value]), atol=1e-6)
+    _, n = batched(params, prompts, 6)
+    np.testing.assert_array_equal(store["block_2.ran"][:3].sum(1), n - 4)  # tokens per prompt
+    with pytest.raises(stx.StoreError, match=r"keys=\['blocks'\]\): 'blocks' names no key"):
+        stx.record(batched, to=tmp_path / "t", keys=["blocks"], progress=False)(params, prompts, 6)
+
+
+@pytest.mark.exhaustive
+def test_recording_gpt2_generate_the_loop_alone(gpt2, tmp_path):
+    gen = lambda ids: gpt2.generate(ids, max_new_tokens=6).sequences  # noqa: E731
+    at = stx.scopes(BLOCK)
+    with pytest.raises(stx.StoreError, match="keys="):  # the prompt's call counts examples first
+        stx.record(gen, to=tmp_path / "t", at=at, steps=8, progress=False)(IDS)
+    loop = f"{BLOCK}_2"
+    # (generate's loop runs for the whole batch: its rows' `.ran` are per step, not per prompt)
+    options = dict(at=at, steps=8, keys=loop, axis={loop: 1}, progress=False)
+    with stx.record(gen, to=tmp_path / "s", **options) as recorder:
+        recorder(IDS)
+    store = stx.open_store(tmp_path / "s")
+    (rows,) = stx.pull(gen, at=at, steps=8)(IDS)[1][loop]
+    assert sorted(store) == [f"{loop}[0]"]
+    np.testing.assert_allclose(store[f"{loop}[0]"][:], np.moveaxis(rows, 1, 0), atol=1e-6)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core.errors import StoreError
+from .._core.meta import RAN
 from .._drivers.naming import Key, keys_named
 
 __all__ = ["POSITIONS", "Capture", "check_host_memory", "step", "subsample"]
@@ -26,26 +27,37 @@ class Capture:
     axis: int | tuple  # an int, or `(key, axis)` pairs
     subsample: tuple | None
     offload: bool
+    keys: tuple | None = None  # the entries of `keys=` (keys or names), or None: every key
 
     def axes_of(self, inters: dict) -> dict:
         """Each key's examples axis from `axis={entry: axis}`, an entry naming a key or every
         occurrence of a name; an entry that names none is an error."""
         axes = {}
         for entry, axis in self.axis:
-            found = keys_named(entry, inters)
-            if not found:
-                raise StoreError(
-                    f"stx.record(axis={{{entry!r}: {axis}}}): {entry!r} names no key the function "
-                    f"returns (a key, 'h_0', or a name, 'h', for each of its occurrences). The "
-                    f"keys: {list(inters)}."
-                )
+            found = _named("axis", f"{{{entry!r}: {axis}}}", entry, inters)
             axes.update(dict.fromkeys(found, axis))
+        for key in inters:  # a `.ran` mask with its value's axis
+            base = str(key).removesuffix(RAN)
+            if key not in axes and base != str(key) and base in axes:
+                axes[key] = axes[base]
         return axes
+
+    def kept(self, inters: dict) -> dict:
+        """The keys `keys=` names, with their `.ran` masks (every key without it)."""
+        if self.keys is None:
+            return inters
+        chosen = set()
+        for entry in self.keys:
+            chosen.update(_named("keys", repr(list(self.keys)), entry, inters))
+        return {
+            k: v for k, v in inters.items() if k in chosen or str(k).removesuffix(RAN) in chosen
+        }
 
     def device_values(self, inters: dict, batch) -> dict[str, jax.Array]:
         """What is stored, on device: each value's leaves by key, examples first (a row per
         batch under `summarize=`), subsampled, on host memory if offloaded."""
         per_batch = self.pulled.summarize is not None
+        inters = self.kept(inters)
         axes = self.axes_of(inters) if isinstance(self.axis, tuple) else {}
         values = {}
         for key, value in inters.items():
@@ -105,6 +117,18 @@ def subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:
         out[name] = v
     out[Key(POSITIONS, "stx.record(positions=...)")] = kept.astype(jnp.int32)
     return out
+
+
+def _named(option: str, given: str, entry, inters) -> list:
+    """The keys `entry` of an option names (a key, or a name for each of its occurrences)."""
+    found = keys_named(entry, inters)
+    if not found:
+        raise StoreError(
+            f"stx.record({option}={given}): {entry!r} names no key the function returns (a "
+            f"key, 'h_0', or a name, 'h', for each of its occurrences). The keys: "
+            f"{list(inters)}."
+        )
+    return found
 
 
 def _location(key) -> str:

@@ -40,6 +40,9 @@ def record(
     at: Any = None,
     summarize: Callable | None = None,
     axis: int | Mapping[str, int] = 0,
+    keys: Any = None,
+    steps: Any = None,
+    ran: bool = False,
     positions: int | None = None,
     position_axis: int = 1,
     seed: int = 0,
@@ -66,8 +69,15 @@ def record(
         summarize: as in `pull`; each call's summaries are then one row (the store's rows are
             batches, not examples).
         axis: the axis of each value that counts examples (an int, or `{key: axis}` with 0
-            for the keys not given); it becomes the store's axis 0. Every key must have the
-            same number of examples.
+            for the keys not given; a key's `.ran` masks follow it); it becomes the store's
+            axis 0. Every key must have the same number of examples.
+        keys: record only these keys: a key (`"h_2"`), a name for each of its occurrences
+            (`"h"`), or a list of them; `None`, every key. For a generation, the loop's key
+            alone (`steps=` gives its rows, its examples on axis 1), not the prompt's.
+        steps: as in `pull`: every iteration of a `while_loop`, in rows (see "Generation and
+            solvers").
+        ran: as in `pull`: also store which rows ran (`f"{key}.ran"`), so that the number of
+            tokens each prompt generated is `store[f"{key}.ran"][:].sum(1)`.
         positions: keep this many random positions per example (along `position_axis`, of
             every value that has it), as sparse-autoencoder recipes keep k tokens per sequence.
             Drawn on device from `seed` and the batch's number; the positions kept are stored
@@ -101,11 +111,12 @@ def record(
             )
     if offload:
         capture.check_host_memory()
-    pulled = pull(fn, only=only, at=at, summarize=summarize)
+    pulled = pull(fn, only=only, at=at, summarize=summarize, steps=steps, ran=ran)
     return Recorder(
         pulled,
         str(to),
         axis=axis,
+        keys=keys,
         subsample=None if positions is None else (int(positions), int(position_axis), int(seed)),
         offload=bool(offload),
         max_in_flight=max_in_flight,
@@ -115,6 +126,11 @@ def record(
             "only": None if only is None else repr(only),
             "at": [str(selection) for selection in pulled.at],
             "summarize": None if summarize is None else metadata.qualname(summarize),
+            "keys": None
+            if keys is None
+            else sorted(map(str, [keys] if isinstance(keys, str) else keys)),
+            "steps": steps,
+            "ran": bool(ran),
         },
     )
 
@@ -129,6 +145,7 @@ class Recorder:
         path,
         *,
         axis,
+        keys=None,
         subsample,
         offload,
         max_in_flight,
@@ -138,7 +155,9 @@ class Recorder:
     ):
         self.path = path
         axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
-        self._capture = capture.Capture(pulled, axis, subsample, offload)
+        if keys is not None:
+            keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        self._capture = capture.Capture(pulled, axis, subsample, offload, keys)
         self._selection = selection
         self._per_batch = pulled.summarize is not None
         self._process, self._processes = jax.process_index(), jax.process_count()
@@ -221,7 +240,8 @@ class Recorder:
             raise StoreError(
                 f"stx.record to {self.path!r}: the values have different numbers of examples "
                 f"along their examples axis ({shown}). Give each key's examples axis with "
-                "axis={key: ...}, or leave some out with only=."
+                "axis={key: ...}, or record some keys only with keys=[...] (a generation: "
+                "the prompt's call and the loop's rows count examples on other axes)."
             )
         return next(iter(sizes.values()), 0)
 
