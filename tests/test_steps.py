@@ -77,9 +77,9 @@ def test_each_example_has_its_own_count_under_vmap():
 
 
 def test_a_loop_past_the_bound_raises_and_truncates_nothing():
-    with pytest.raises(Exception, match=r"steps=5\): the while_loop .* ran 7 iterations"):
+    with pytest.raises(Exception, match=r"steps=5\): the while_loop .* ran more iterations"):
         stx.pull(_loop, steps=N)(jnp.float32(1.0), 7)
-    with pytest.raises(Exception, match="pass steps=7 or more"):
+    with pytest.raises(Exception, match="pass a larger steps="):
         jax.block_until_ready(jax.jit(stx.pull(_loop, steps=N))(jnp.float32(1.0), 7))
     with pytest.raises(TypeError, match="positive int"):
         stx.pull(_loop, steps=0)

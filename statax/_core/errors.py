@@ -18,7 +18,18 @@ __all__ = [
     "StoreError",
     "SweepError",
     "UnhandledPrimitiveError",
+    "error_if",
 ]
+
+
+def error_if(values: list, pred, message: str) -> list:
+    """`values`, which raise `message` when the program runs where `pred` is true (per example
+    under `vmap`: where any is). equinox's runtime errors (`eqx.error_if`): a callback only in
+    the branch taken past the error, so that a program that does not fail pays nothing for it,
+    and `values` pass through it, so that no compiler drops it."""
+    import equinox as eqx
+
+    return eqx.error_if(values, pred, message)
 
 
 def _where(metas: Sequence[StateMeta]) -> str:

@@ -104,7 +104,8 @@ class Planting:
         operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
         hooks = self.hooks_of(meta.planted_as)
         stepped = any(map(_takes_step, hooks))
-        failed = tuple(_failure(meta, hook, value, arrays, stepped) for hook in hooks)
+        tried = [_tried(meta, hook, value, arrays, stepped) for hook in hooks]
+        failed = tuple(error for error, _ in tried)
         if self.masked:  # and where, element by element, a replacement goes
             operands += [jnp.zeros_like(x, dtype=bool) for x in arrays]
         if stepped:  # and the iteration, which the loop around gives (`exposers.take`)
@@ -126,14 +127,20 @@ class Planting:
             out.append(jax.lax.select_n(jnp.minimum(choice, ADD), x, replaced, added))
         if not hooks:
             return out
-        # Each hook runs only where it is planted: a branch of a `switch` on the choice, so
-        # that its effects (a callback, a count in named state) happen there alone, and a hook
-        # that fails on another occurrence's value (another shape) is no error there.
         cases = [lambda: out] + [
             _hook_branch(meta, hook, value, arrays, f, step)
             for hook, f in zip(hooks, failed, strict=True)
         ]
-        return jax.lax.switch(jnp.clip(choice - ADD, 0, len(hooks)), cases)
+        index = jnp.clip(choice - ADD, 0, len(hooks))
+        if any(effects for _, effects in tried):
+            # A hook with effects (a callback, named state) runs only where it is planted: a
+            # branch of a `switch` on the choice, so that its effects happen there alone.
+            return jax.lax.switch(index, cases)
+        # Without effects, where a hook runs cannot be seen: each is computed beside the value
+        # and chosen (as the replacement is), which compiles to less than a `switch`. A hook
+        # that fails on this occurrence (another shape) is the value here: no error.
+        results = [case() for case in cases]
+        return [jax.lax.select_n(index, *r) for r in zip(*results, strict=True)]
 
 
 def in_meta(meta: StateMeta, masked: bool = False, stepped: bool = False) -> StateMeta:
@@ -155,15 +162,19 @@ def _takes_step(hook) -> bool:
         return False
 
 
-def _failure(meta, hook, value, arrays, stepped: bool) -> str:
-    """The error `hook` raises on the marked value (traced apart, so nothing of it runs), or
-    `""`: raised by `feed` where the hook is planted (see `Planting.plant`)."""
+def _tried(meta, hook, value, arrays, stepped: bool) -> tuple[str, bool]:
+    """`hook` traced apart on the marked value (nothing of it runs): the error it raises, or
+    `""` (raised by `feed` where the hook is planted: see `Planting.plant`), and whether it has
+    effects."""
     step = jnp.zeros((), np.int32) if stepped else None
     try:
-        jax.eval_shape(lambda: _hooked(meta, hook, value, arrays, step))
+        traced = jax.make_jaxpr(lambda: _hooked(meta, hook, value, arrays, step))()
     except Exception as error:  # noqa: BLE001 (any error of the user's hook)
-        return str(error) if isinstance(error, PlantError) else f"{type(error).__name__}: {error}"
-    return ""
+        message = (
+            str(error) if isinstance(error, PlantError) else f"{type(error).__name__}: {error}"
+        )
+        return message, False
+    return "", bool(traced.effects)
 
 
 def _hook_branch(meta, hook, value, arrays, failed: str, step):

@@ -16,6 +16,7 @@ from .._core.derivatives import only_in as only_in
 from .._core.derivatives import pulled_with_rule as pulled_with_rule
 from .._core.derivatives import zero_tangent as zero_tangent
 from .._core.errors import StateError as StateError
+from .._core.errors import error_if as error_if
 from .._core.evaluator import equations as equations
 from .._core.exposers import handler_from_exposer as handler_from_exposer
 from .._core.exposers import inert as inert
@@ -97,6 +98,7 @@ __all__ = [
     "current_selection",
     "dce",
     "equations",
+    "error_if",
     "equinox",
     "extend_equation",
     "find_saves",

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from statax.extend import reductions, split_leaves
+from statax.extend import error_if, reductions, split_leaves
 
 __all__ = ["check_bound", "empty_rows", "row", "stacked_avals", "write"]
 
@@ -60,17 +59,19 @@ def row(values: list, index) -> list:
     ]
 
 
-def check_bound(count, steps: int, where: str) -> None:
-    """Raise, when the program runs, where a loop ran more iterations than `steps` rows hold
-    (per example under `vmap`: the largest count)."""
-
-    def check(count):
-        most = int(np.max(count)) if np.size(count) else 0
-        if most > steps:
-            raise OverflowError(
-                f"stx.pull(..., steps={steps}): the while_loop {where} ran {most} iterations, "
-                f"more than the {steps} rows it keeps. Nothing was truncated: the call failed. "
-                f"To fix: pass steps={most} or more."
-            )
-
-    jax.debug.callback(check, count)
+def check_bound(leaves: list, count, steps: int, where: str) -> list:
+    """`leaves`, which raise when the program runs where the loop ran more iterations than the
+    `steps` rows hold (per example under `vmap`: where any did)."""
+    message = (
+        f"stx.pull(..., steps={steps}): the while_loop {where} ran more iterations than the "
+        f"{steps} rows it keeps. Nothing was truncated: the call failed. To fix: pass a "
+        "larger steps= (a tuple gives one bound per depth of while_loops)."
+    )
+    # Only the count goes through the check (a copy of every row would cost), and the smallest
+    # value depends on it, so that no compiler drops the check.
+    checked = error_if([count], jnp.any(count > steps), message)[0]
+    leaves = list(leaves)
+    i = min(range(len(leaves)), key=lambda i: leaves[i].size)
+    past = jnp.reshape(checked > steps, checked.shape + (1,) * (leaves[i].ndim - checked.ndim))
+    leaves[i] = jnp.where(past, jnp.zeros_like(leaves[i]), leaves[i])
+    return leaves

@@ -402,13 +402,14 @@ def _while_exposer(*args, **eqn_params):
     if steps is None:
         mark([*cond_leaves, *body_leaves], metas)
     elif metas:
-        rows.check_bound(count, steps, f"holding {metas[0].name!r} ({metas[0].location})")
         parts = split_leaves([*cond_leaves, *body_leaves], metas)
         leaves = [
             x
             for m, part in zip(metas, parts, strict=True)
             for x in (part if reductions.running(m) else _unstack_reduced([m], [part]))
         ]
+        where = f"holding {metas[0].name!r} ({metas[0].location})"
+        leaves = rows.check_bound(leaves, count, steps, where)
         mark(leaves, _stacked(metas))
     return carry
 
