@@ -147,6 +147,9 @@ def test_only_at_and_summarize_as_in_pull(tmp_path):
         "only": None,
         "at": ["stx.modules('layers[*]')"],
         "summarize": None,
+        "keys": None,
+        "steps": None,
+        "ran": False,
     }
 
     with stx.record(model, to=tmp_path / "only", only="h", progress=False) as r:

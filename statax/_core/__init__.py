@@ -18,7 +18,8 @@ it, and `statax._jax`):
 3. `primitive` (`save_inter_p` and all of its rules);
 4. `marks` (finding marks, at any depth);
 5. `rewrite` (`pull_jaxpr`: marks made outputs), `batching` (statax's batching rules);
-6. `exposers` (loops and branches: marks taken out, and put back outside);
+6. `exposers` (loops and branches: marks taken out, and put back outside), `loop_rows`
+   (every iteration of a `while_loop`, in rows);
 7. `derivatives` (marks in custom derivative rules);
 8. `state`, 9. `thread_state` (named state, and threading it through every primitive).
 

@@ -2,9 +2,10 @@
 
 The user API (`save_inter`, `pull`, ...) is at the top level of `statax`. This module holds the
 rest: the handler contract (`Rewrite`, `Rules`, `register_handler`, `register_exposer`, ...),
-the walk (`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and two
+the walk (`pull_jaxpr`, `pull_open_jaxpr`), the helpers the built-in handlers use, and three
 namespaces: `statax.extend.params` (reading and writing the params of JAX's higher-order primitives,
-whatever the JAX version names them) and `statax.extend.reductions` (the reduction modes).
+whatever the JAX version names them), `statax.extend.reductions` (the reduction modes) and
+`statax.extend.rows` (a `while_loop`'s iterations in rows).
 Every built-in handler in `statax/handlers/` is written with these names only, JAX's public
 API and its own library (an allowlist that `tests/test_layers.py` checks). `statax.extend`
 itself imports the engine (`statax._core`) and the version shims (`statax._jax`), nothing
@@ -74,6 +75,7 @@ from .._jax.tracing import batched_outputs as batched_outputs
 from . import equinox as equinox
 from . import params as params
 from . import reductions as reductions
+from . import rows as rows
 
 __all__ = [
     "ARRAY",
@@ -98,8 +100,8 @@ __all__ = [
     "current_selection",
     "dce",
     "equations",
-    "error_if",
     "equinox",
+    "error_if",
     "extend_equation",
     "find_saves",
     "find_saves_in_impl",
@@ -125,6 +127,7 @@ __all__ = [
     "register_handler",
     "register_rules",
     "restage_equation",
+    "rows",
     "save_inter_p",
     "set_steps",
     "share_taps",

@@ -57,12 +57,12 @@ from statax.extend import (
     register_exposer,
     register_handler,
     restage_equation,
+    rows,
     set_steps,
     split_leaves,
     take,
 )
 from statax.extend import equinox as equinox_internals
-from statax.handlers import loop_rows as rows
 from statax.handlers.equinox import is_bounded_step as _is_bounded_step
 from statax.handlers.equinox import loop_running as _loop_running
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from statax.extend import error_if, reductions, split_leaves
+from . import reduce as reductions
+from .errors import error_if
+from .exposers import split_leaves
 
 __all__ = ["check_bound", "empty_rows", "row", "stacked_avals", "write"]
 
