@@ -1,5 +1,6 @@
 """Random programs with `while_loop`s of data-dependent trip counts inside (and around) `scan`,
-`vmap`, `cond`, `jit`, `checkpoint` and forward-mode differentiation, pulled with `steps=`:
+`vmap`, `cond`, `jit`, `checkpoint`, `jvp` and `grad` (reverse mode, around code without a
+`while_loop`, which JAX cannot reverse), pulled with `steps=`:
 every iteration's values, the `.ran` masks, planting by row and by step, and the round trip,
 against the same program run by hand in Python (its loops as Python loops, its `vmap` example
 by example, its `cond` as an `if`)."""
@@ -13,19 +14,22 @@ import pytest
 import statax as stx
 
 N = 4  # rows a `while_loop` keeps: its trip count is the number of positive entries, 0 to 3
-KINDS = ["op", "op", "while", "while", "scan", "vmap", "cond", "jit", "checkpoint", "jvp"]
+KINDS = ["op", "op", "while", "while", "scan", "vmap", "cond", "jit", "checkpoint", "jvp", "grad"]
 
 
-def _tree(rng, depth=0, names=None):
-    """A random program: nested tuples `(kind, ...)`; each `op` marks its value, by its name."""
+def _tree(rng, depth=0, names=None, loops=True):
+    """A random program: nested tuples `(kind, ...)`; each `op` marks its value, by its name.
+    Reverse-mode `grad` holds no `while_loop` (JAX cannot reverse one of unknown length)."""
     names = [] if names is None else names
-    kind = rng.choice(KINDS) if depth < 3 else "op"
+    kinds = [k for k in KINDS if loops or k != "while"]
+    kind = rng.choice(kinds) if depth < 3 else "op"
     if kind == "op":
         names.append(f"m{len(names)}")
         return ("op", names[-1], rng.normal(size=3).astype(np.float32), rng.integers(3))
+    loops = loops and kind != "grad"
     if kind == "cond":
-        return ("cond", _tree(rng, depth + 1, names), _tree(rng, depth + 1, names))
-    return (kind, _tree(rng, depth + 1, names))
+        return ("cond", _tree(rng, depth + 1, names, loops), _tree(rng, depth + 1, names, loops))
+    return (kind, _tree(rng, depth + 1, names, loops))
 
 
 _FNS = [jnp.tanh, jnp.sin, jnp.cos]
@@ -58,6 +62,8 @@ def _program(tree):
         return jax.jit(inner)
     if kind == "checkpoint":
         return jax.checkpoint(inner)
+    if kind == "grad":
+        return lambda x: jax.grad(lambda y: jnp.sum(inner(y)))(x) + 0.1 * x
     return lambda x: sum(jax.jvp(inner, (x,), (jnp.ones(3),)))  # "jvp": primal + tangent
 
 
@@ -104,8 +110,11 @@ def _by_hand(tree, x, record, planted, where=()):
         return _by_hand(tree[1] if bool(jnp.sum(x) > 0) else tree[2], x, record, planted, where)
     if kind in ("jit", "checkpoint"):
         return _by_hand(tree[1], x, record, planted, where)
-    # jvp: its marks recorded from the primal run; the tangent with the same planted values
+    # jvp, grad: marks recorded from the primal run; derivatives with the same planted values
     value = _by_hand(tree[1], x, record, planted, where)
+    if kind == "grad":
+        by_hand = lambda y: jnp.sum(_by_hand(tree[1], y, None, planted, where))  # noqa: E731
+        return jax.grad(by_hand)(x) + 0.1 * x
     tangent = jax.jvp(lambda y: _by_hand(tree[1], y, None, planted, where), (x,), (jnp.ones(3),))
     return tangent[1] + value
 
@@ -147,7 +156,7 @@ def test_random_programs_every_iteration_against_python_loops(seed):
         back = stx.plant(f, steps=N)(values, x)
         rows = {k[:-2]: (lambda v, w, k=k: values[k][w]) for k in values}
         np.testing.assert_allclose(back, _recorded(tree, x, rows)[0], rtol=2e-5, atol=2e-6)
-        if "jvp" not in str(tree):
+        if "jvp" not in str(tree) and "grad" not in str(tree):
             np.testing.assert_allclose(back, f(x), rtol=2e-5, atol=2e-6)
         # planting by row: each row shifted, read by its own iteration
         shift = {k: v + 0.25 for k, v in values.items()}

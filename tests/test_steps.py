@@ -182,3 +182,12 @@ def test_a_hook_runs_only_where_it_is_planted():
     assert calls == [1]  # once: at h_1, not at h_0
     with pytest.raises(stx.PlantError, match="for 'h_0'.*broadcast|for 'h_0'.*shape"):
         stx.plant(g)({"h_0": hook}, x)
+
+
+def test_summaries_see_the_rows_and_vmap_makes_them_per_step():
+    _, whole = stx.pull(_loop, steps=N, summarize=stx.stats)(jnp.float32(1.5), 3)
+    _, rows = stx.pull(_loop, steps=N, summarize=jax.vmap(stx.stats))(jnp.float32(1.5), 3)
+    v = _by_hand(1.5, 3)[1]["v_0"]
+    np.testing.assert_allclose(whole["v_0"]["mean"], v.mean(), rtol=1e-6)  # (padding included)
+    np.testing.assert_allclose(rows["v_0"]["mean"], v, rtol=1e-6)  # one per row
+    np.testing.assert_allclose(rows["c_0"]["max"], _by_hand(1.5, 3)[1]["c_0"], rtol=1e-6)
