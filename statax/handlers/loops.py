@@ -47,6 +47,7 @@ from statax.extend import (
     StateError,
     batched_outputs,
     batched_state_guard,
+    equations,
     handler_from_exposer,
     inner_steps,
     loop_steps,
@@ -74,8 +75,8 @@ def _scan_exposer(*args, **eqn_params):
     num_out = len(parts.jaxpr.out_avals)
     init = args[num_consts : num_consts + num_carry]
     if metas and _is_bounded_step(parts.jaxpr, init):
-        outs, leaves = _bounded_loop_scan(args, parts, body, metas, ins)
-        mark(leaves, metas)
+        outs, leaves, marked = _bounded_loop_scan(args, parts, body, metas, ins)
+        mark(leaves, marked)
         return outs
     # Planted values: one per iteration, as extra xs.
     planted = _planted_stacked(ins, body.in_avals[len(args) :], parts.length)
@@ -188,32 +189,38 @@ def _bounded_loop_scan(args, parts, body, metas, ins):
     intermediates are those of the last iteration that ran (zeros if none), as for `while`,
     not one row per possible step, and a planted value is one value for every step. An
     iteration ran for an example where equinox's step counter moved and its per-example flag
-    was still set."""
+    was still set. With `steps=`, every step in rows, by equinox's step counter: the level that
+    holds the body writes them, the levels around it (scans of it) add them up (each row is
+    written once). Returns the outputs, the marks' leaves and their metas."""
     for meta in metas:
         reductions.check_in_while(meta)
-    if loop_steps()[0] is not None:
-        raise StateError(
-            f"stx.pull(..., steps=...) cannot keep every iteration of an equinox while_loop "
-            f"of kind 'bounded' (a scan of conds; it holds {metas[0].name!r} saved at "
-            f"{metas[0].location}): it keeps its last iteration only. To fix: pass steps=None "
-            "for this loop (a tuple of steps= gives one bound per depth), or use the loop's "
-            "kind 'checkpointed' or 'lax' (diffrax: RecursiveCheckpointAdjoint, not "
-            "DirectAdjoint)."
-        )
+    steps = loop_steps()[0]
+    innermost = steps is not None and not _holds_level(parts.jaxpr)
     num_consts, num_carry = parts.num_consts, parts.num_carry
     num_out = len(parts.jaxpr.out_avals)
     consts = args[:num_consts]
     init, xs = args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
-    planted = take(ins, body.in_avals[len(args) :], step=_zero_step)
-    last0 = [jnp.zeros(a.shape, a.dtype) for a in body.out_avals[num_out:]]
+    in_avals, out_avals = body.in_avals[len(args) :], body.out_avals[num_out:]
+    if innermost:  # (one row per step, read at the step)
+        planted = take(_stacked(ins), rows.stacked_avals(in_avals, steps), step=_zero_step)
+        last0 = rows.empty_rows(metas, out_avals, steps)
+    else:
+        planted = take(ins, in_avals, step=_zero_step)
+        last0 = [jnp.zeros(a.shape, a.dtype) for a in out_avals]
 
     def step(state, x):
         carry, last = state
-        now = set_steps(ins, planted, carry[0])  # (equinox's step counter)
+        now = rows.row(planted, carry[0]) if innermost else planted
+        now = set_steps(ins, now, carry[0])  # (equinox's step counter)
         flat = jex.jaxpr_as_fun(body)(*consts, *carry, *x, *now)
         new_carry = list(flat[:num_carry])
         ran = (new_carry[0] != carry[0]) & carry[1]
-        new = _update(metas, last, flat[num_out:])
+        if innermost:
+            new = rows.write(metas, last, flat[num_out:], carry[0])
+        elif steps is not None:  # rows of the level inside: zeros but where it wrote
+            new = _added(metas, last, flat[num_out:])
+        else:
+            new = _update(metas, last, flat[num_out:])
         last = [jnp.where(ran, b, a) for a, b in zip(last, new, strict=True)]
         return (new_carry, last), flat[num_carry:num_out]
 
@@ -225,7 +232,33 @@ def _bounded_loop_scan(args, parts, body, metas, ins):
         reverse=parts.reverse,
         unroll=parts.unroll,
     )
-    return [*carry, *ys], last
+    if steps is not None and metas:
+        where = f"(equinox's, kind 'bounded') holding {metas[0].name!r} ({metas[0].location})"
+        last = rows.check_bound(last, carry[0], steps, where)
+    return [*carry, *ys], last, (_stacked(metas) if innermost else metas)
+
+
+def _added(metas, old, new):
+    """Rows of a level inside added to those held (a running `reduce=` value combined)."""
+    out = []
+    for meta, a, b in zip(metas, split_leaves(old, metas), split_leaves(new, metas), strict=True):
+        if reductions.running(meta):
+            out.extend(reductions.combine(meta, a, meta, b))
+        else:
+            out.extend(x | y if x.dtype == jnp.bool_ else x + y for x, y in zip(a, b, strict=True))
+    return out
+
+
+def _holds_level(jaxpr) -> bool:
+    """Whether a bounded loop's level holds another level (a scan of it) at any depth: then
+    the body, and the marks written in it, are further in."""
+    for eqn in equations(jaxpr):
+        if eqn.primitive is scan_p:
+            inner = params.scan_parts(eqn.params)
+            init = [v.aval for v in eqn.invars[inner.num_consts :][: inner.num_carry]]
+            if _is_bounded_step(inner.jaxpr, init):
+                return True
+    return False
 
 
 def _zero_step(meta, aval):

@@ -95,47 +95,56 @@ def test_optimistix_every_newton_iterate_as_by_hand(jit):
     np.testing.assert_array_equal(inters["r_0.ran"], np.arange(16) < int(n))
 
 
-def _equinox_loop(x, kind):
+def _equinox_loop(x, kind, base=16):
     def body(c):
         i, v = c
         return i + 1, stx.save_inter(jnp.sin(v) + v, name="v")
 
+    options = {"base": base} if kind == "bounded" else {}
     return eqx.internal.while_loop(
-        lambda c: c[0] < jnp.sum(x > 0) + 1, body, (0, x), max_steps=8, kind=kind
+        lambda c: c[0] < jnp.sum(x > 0) + 1, body, (0, x), max_steps=8, kind=kind, **options
     )[1]
 
 
-def _by_hand(x):
+def _by_hand(x, zeroed=None):
+    """The loop in Python; `zeroed`: the iteration whose value is replaced by zeros."""
     rows, v = np.zeros((8, *x.shape), np.float32), np.asarray(x)
     for i in range(int(np.sum(np.asarray(x) > 0)) + 1):
-        v = np.sin(v) + v
+        v = np.sin(v) + v if i != zeroed else np.zeros_like(v)
         rows[i] = v
     return v, rows
 
 
-@pytest.mark.parametrize("kind", ["lax", "checkpointed"])
+@pytest.mark.parametrize("kind", ["lax", "checkpointed", "bounded", "bounded, base 2"])
 def test_equinox_while_loops_eagerly_jitted_vmapped_and_differentiated(kind):
+    # ("bounded": nested scans of conds inside equinox; base 2: three levels for 8 steps)
     x = jnp.array([0.5, -1.0, 2.0])
-    f = lambda x: _equinox_loop(x, kind)  # noqa: E731
+    base = 2 if kind.endswith("base 2") else 16
+    kind = kind.split(",")[0]
+    f = lambda x: _equinox_loop(x, kind, base)  # noqa: E731
     for pulled in (stx.pull(f, steps=8), jax.jit(stx.pull(f, steps=8))):
         out, inters = pulled(x)
         want_out, rows = _by_hand(x)
         np.testing.assert_allclose(out, want_out, rtol=1e-6)
         np.testing.assert_allclose(inters["v_0"], rows, rtol=1e-6)
+    # Planted back, rows reproduce the run; a hook given equinox's step edits one iteration.
+    np.testing.assert_allclose(stx.plant(f, steps=8)(inters, x), out, rtol=1e-6)
+    edit = lambda v, step: jnp.where(step == 1, 0.0, v)  # noqa: E731
+    np.testing.assert_allclose(stx.plant(f)({"v": edit}, x), _by_hand(x, 1)[0], rtol=1e-6)
     xs = jnp.array([[0.5, -1.0, 2.0], [-0.5, -1.0, -2.0]])
     _, batched = jax.vmap(stx.pull(f, steps=8, ran=True))(xs)
     np.testing.assert_allclose(batched["v_0"], [_by_hand(x)[1] for x in xs], rtol=1e-6)
     np.testing.assert_array_equal(batched["v_0.ran"].sum(1), [3, 1])
-    if kind == "checkpointed":  # (reverse mode through equinox's checkpointed loop)
+    if kind != "lax":  # (reverse mode through equinox's checkpointed and bounded loops)
         loss = lambda x: jnp.sum(f(x))  # noqa: E731
         g, inters = stx.pull(jax.grad(loss), steps=8)(x)
         np.testing.assert_allclose(g, jax.grad(loss)(x), rtol=1e-6)
         np.testing.assert_allclose(inters["v_0"], _by_hand(x)[1], rtol=1e-6)
 
 
-def test_equinox_bounded_loops_say_they_keep_their_last_iteration():
-    x = jnp.array([0.5, -1.0, 2.0])
-    with pytest.raises(stx.StateError, match="kind 'bounded'"):
-        stx.pull(lambda x: _equinox_loop(x, "bounded"), steps=8)(x)
-    out, inters = stx.pull(lambda x: _equinox_loop(x, "bounded"))(x)
+def test_equinox_bounded_loops_past_the_bound_raise():
+    x = jnp.array([0.5, -1.0, 2.0])  # three iterations
+    with pytest.raises(Exception, match="kind 'bounded'.* ran more iterations than the 2 rows"):
+        stx.pull(lambda x: _equinox_loop(x, "bounded", 2), steps=2)(x)
+    out, inters = stx.pull(lambda x: _equinox_loop(x, "bounded"))(x)  # (no steps: the last)
     np.testing.assert_allclose(inters["v_0"], _by_hand(x)[0], rtol=1e-6)
