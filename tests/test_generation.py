@@ -114,7 +114,9 @@ def by_hand(params, prompt, new_tokens, edit=None, stop=True):
 PROMPTS = [jnp.array([1, 5, 7]), jnp.array([2, 9, 4]), jnp.array([6, 1, 8])]
 
 
-@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+@pytest.mark.parametrize(
+    "prompt", [0, *(pytest.param(i, marks=pytest.mark.exhaustive) for i in (1, 2))]
+)
 def test_while_decoder_every_token_as_the_python_loop(prompt):
     params, prompt = _params(), PROMPTS[prompt]
     P, new = prompt.shape[0], 6
@@ -206,9 +208,9 @@ def _full(model, ids):
     return stx.pull(f, at=stx.scopes(BLOCK))(ids)
 
 
-@pytest.mark.parametrize(
-    "sample", [False, pytest.param(True, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled"]
-)
+# (Hugging Face's generate compiles for seconds: at size; the docs' page runs it by default.)
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_gpt2_generate_every_token(gpt2, sample):
     key = jax.random.key(3)
 
@@ -246,6 +248,7 @@ def _greedy_by_hand(model, logits_of):
     return tokens
 
 
+@pytest.mark.exhaustive
 def test_gpt2_generate_steered_from_a_step_on(gpt2):
     d = 3.0 * jax.random.normal(jax.random.key(1), (32,))
     gen = lambda ids: gpt2.generate(ids, max_new_tokens=6).sequences  # noqa: E731
