@@ -9,7 +9,8 @@ stacked along a new leading axis, in the same order as the scan's `ys` (also wit
 state, the predicate, the last values of the body's intermediates (zeros before the first
 iteration, so zeros if the body never ran) and those of `cond_fun`'s (its last evaluation,
 the one that ended the loop). The predicate is computed once per iteration, at the end of the
-body, and the new `cond_fun` only reads it.
+body, and the new `cond_fun` only reads it. With `pull(fn, steps=N)` it carries rows instead,
+one per iteration (`statax.extend.rows`), and its count, checked against `N` after the loop.
 
 Names saved with `reduce=` combine over iterations instead: a `scan` or `while` carries the
 running value of the elementwise modes (no per-iteration storage), a `scan` stacks `"stack"`
@@ -23,7 +24,7 @@ flag `pred` (equinox runs a batch until every example is done and masks its stat
 
 Planted values come in as a `scan`'s extra `xs` (one per iteration, stacked like the
 intermediates) and as a `while`'s (or a bounded loop's) extra constants (one value, used in every
-iteration).
+iteration; with `steps=`, rows read by iteration). A hook's step is the loop's own counter.
 
 Under `stateful`, every name a loop's body sets is part of its carry (an iteration reads what
 the one before set, and the last value leaves the loop); the others are read as they are.
