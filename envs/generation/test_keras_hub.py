@@ -55,13 +55,18 @@ def test_every_generated_token_as_the_python_loop(lm):
         out, acts = stx.pull(_generate(lm), at=BLOCK, steps=8, ran=True)(INPUTS)
         want, forward = _by_hand(lm)
         np.testing.assert_array_equal(out, want)
-        np.testing.assert_array_equal(out, lm.generate(dict(INPUTS), stop_token_ids=None)["token_ids"])
+        np.testing.assert_array_equal(
+            out, lm.generate(dict(INPUTS), stop_token_ids=None)["token_ids"]
+        )
         # The prompt's call (the cache built over every position), then the loop's rows.
         assert sorted(k for k in acts if not k.endswith(".ran")) == [
             "transformer_layer_1_0",
             "transformer_layer_1_1",
         ]
-        (rows, _), ran = acts["transformer_layer_1_1"], np.asarray(acts["transformer_layer_1_1.ran"])
+        (rows, _), ran = (
+            acts["transformer_layer_1_1"],
+            np.asarray(acts["transformer_layer_1_1.ran"]),
+        )
         np.testing.assert_array_equal(ran, np.arange(8) < LENGTH - P)
         # Iteration s feeds position P - 1 + s: its row is that position's block output.
         (full,) = stx.pull(lambda ids: forward(ids), at=BLOCK)(out)[1].values()
