@@ -153,7 +153,7 @@ def _add_from(position, d):
     return lambda length: {"block_0": lambda h: h.at[position:].add(d)}
 
 
-@pytest.mark.parametrize("decode", ["while", "scan"])
+@pytest.mark.parametrize("decode", ["while", pytest.param("scan", marks=pytest.mark.exhaustive)])
 def test_steering_and_one_step_edits_as_the_python_loop(decode):
     params, prompt = _params(1), PROMPTS[1]
     P = prompt.shape[0]
