@@ -134,7 +134,7 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize(
-    "seed", [0, 1, *(pytest.param(s, marks=pytest.mark.exhaustive) for s in range(2, 6))]
+    "seed", [0, 1, *(pytest.param(s, marks=pytest.mark.exhaustive) for s in range(2, 4))]
 )
 def test_random_programs_every_iteration_against_python_loops(seed):
     rng = np.random.default_rng(seed)
