@@ -170,10 +170,7 @@ def _tried(meta, hook, value, arrays, stepped: bool) -> tuple[str, bool]:
     try:
         traced = jax.make_jaxpr(lambda: _hooked(meta, hook, value, arrays, step))()
     except Exception as error:  # noqa: BLE001 (any error of the user's hook)
-        message = (
-            str(error) if isinstance(error, PlantError) else f"{type(error).__name__}: {error}"
-        )
-        return message, False
+        return f"{type(error).__name__}: {error}", False
     return "", bool(traced.effects)
 
 
@@ -259,12 +256,8 @@ def feed(
             j = planting.hooks_of(meta.planted_as).index(spec)
             if meta.failed and meta.failed[j]:
                 raise PlantError(
-                    meta.failed[j]
-                    if meta.failed[j].startswith("stx.plant")
-                    else (
-                        f"stx.plant: the hook {spec!r} for {key!r} (save_inter at {meta.location}) "
-                        f"raised {meta.failed[j]}"
-                    )
+                    f"stx.plant: the hook {spec!r} for {key!r} (save_inter at {meta.location}) "
+                    f"fails there: {meta.failed[j]}"
                 )
             code = HOOK + j
         elif spec is not None:

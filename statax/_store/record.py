@@ -111,6 +111,8 @@ def record(
             )
     if offload:
         capture.check_host_memory()
+    if keys is not None:
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
     pulled = pull(fn, only=only, at=at, summarize=summarize, steps=steps, ran=ran)
     return Recorder(
         pulled,
@@ -155,8 +157,6 @@ class Recorder:
     ):
         self.path = path
         axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
-        if keys is not None:
-            keys = (keys,) if isinstance(keys, str) else tuple(keys)
         self._capture = capture.Capture(pulled, axis, subsample, offload, keys)
         self._selection = selection
         self._per_batch = pulled.summarize is not None
