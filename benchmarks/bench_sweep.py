@@ -29,7 +29,7 @@ import statax as stx
 
 GPU = "--gpu" in sys.argv
 LAYERS, POSITIONS, VOCAB = 12, 16, 64
-WIDTH, HEADS, BATCH, REPEATS = (768, 12, 8, 3) if GPU else (64, 4, 4, 3)
+WIDTH, HEADS, BATCH, REPEATS = (768, 12, 8, 3) if GPU else (int(__import__("os").environ.get("W", 64)), 4, 4, 3)
 
 
 def init(key):

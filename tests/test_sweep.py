@@ -4,6 +4,8 @@ mode), against the loop of `stx.plant` calls it replaces on real models (Hugging
 GPT-2 with an IOI-style pair of prompts, an equinox transformer, Flax NNX, penzai), attribution
 against the first-order term by hand (`jax.jvp`), and every bad input."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,15 @@ import statax as stx
 from .helpers import compilations
 
 MODES = ["denoising", "noising", "zero", "mean", "resample"]
+SWEEP = stx.sweep
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["reuse", "one-program"])
+def reuse(request, monkeypatch):
+    """Every test runs both ways: each patch from the base run (`reuse=True`, the default), and
+    one program that runs the whole model for every patch (`reuse=False`)."""
+    monkeypatch.setattr(stx, "sweep", functools.partial(SWEEP, reuse=request.param))
+    return request.param
 
 
 # ---- random layered programs against the forward pass by hand ----------------------------------
@@ -24,9 +35,14 @@ def layer(h, w):  # (..., positions, features): positions mix (a running sum)
     return h + jnp.tanh(jnp.cumsum(h, axis=-2) @ w)
 
 
+def other_layer(h, w):  # a `cond`'s other branch
+    return h - jnp.tanh(jnp.cumsum(h, axis=-2) @ w)
+
+
 class Layered:
     """A random model: `layers` layers, unrolled or in a `scan`, over examples handled by a
-    `vmap` inside the function or by broadcasting, under a `jit` or not."""
+    `vmap` inside the function or by broadcasting, under a `jit` or not, each layer a `cond`
+    on its input or not."""
 
     def __init__(self, seed):
         rng = np.random.default_rng(seed)
@@ -49,15 +65,30 @@ class Layered:
         chosen = [n for n in names if rng.random() < 0.5]
         self.axes = {n: names.index(n) for n in chosen}
         self.names = names
+        self.cond = bool(rng.random() < 0.5)
+
+    def step(self, h, w):
+        """One layer, in the model: a `cond` on the sum of its input (an example's under the
+        `vmap`), where `self.cond` says."""
+        if not self.cond:
+            return layer(h, w)
+        return jax.lax.cond(jnp.sum(h) > 0, layer, other_layer, h, w)
+
+    def step_by_hand(self, h, w):
+        """`step` on every example at once: `(examples, positions, features)`."""
+        if not self.cond:
+            return layer(h, w)
+        total = jnp.sum(h, axis=(-2, -1), keepdims=True) if self.vmap else jnp.sum(h)
+        return jnp.where(total > 0, layer(h, w), other_layer(h, w))
 
     def __call__(self, x, ws):
         def one(x):
             if self.scan:
-                body = lambda h, w: (stx.save_inter(layer(h, w), name="resid"), None)  # noqa: E731
+                body = lambda h, w: (stx.save_inter(self.step(h, w), name="resid"), None)  # noqa: E731
                 x, _ = jax.lax.scan(body, x, ws)
             else:
                 for i in range(self.layers):
-                    x = stx.save_inter(layer(x, ws[i]), name="resid")
+                    x = stx.save_inter(self.step(x, ws[i]), name="resid")
             return jnp.sum(x, axis=(-2, -1))
 
         f = jax.vmap(one) if self.vmap else one
@@ -69,7 +100,7 @@ class Layered:
         `mask` selects with the source's (`source`: the layers' outputs of another run)."""
         h, outs = x, []
         for i in range(self.layers):
-            h = layer(h, self.ws[i])
+            h = self.step_by_hand(h, self.ws[i])
             if patch is not None and i in patch[0]:
                 h = jnp.where(patch[1], patch[2][i], h)
             outs.append(h)

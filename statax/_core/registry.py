@@ -115,6 +115,9 @@ class Rules:
         derivative_params: the names of params that hold only its derivative rules (a custom
             JVP or VJP, made anew at every trace): the key of a compiled program that statax
             keeps (`structure.program_key`) leaves them out, as such a program is only run.
+        sinking: for a primitive with branches, which of them reads each input and how its
+            equation takes work moved in (`sinking.Sinking`): what lets a sweep's program skip
+            the run before a patched site.
     """
 
     handler: Handler | None = None
@@ -129,6 +132,7 @@ class Rules:
     selectable: bool = False
     runs_python: bool | None = None
     derivative_params: tuple[str, ...] = ()
+    sinking: Any = None
 
     def runs_of(self, eqn: jex.JaxprEqn) -> int | None:
         """How many times `eqn` runs its inner jaxprs (`trips`; 1 without a rule)."""

@@ -25,10 +25,12 @@ import numpy as np
 from .._core.errors import PlantError
 from .._core.meta import ARRAY, KeyName, StateMeta, keys_of, kind_str, kinds_str, unwrap
 from .._core.primitive import INPUT, save_inter_p
+from .._jax import tracing as _tracing
 
 __all__ = ["Add", "Planting", "Switch", "feed"]
 
 KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
+SKIP = -1  # (a `Switch` with `base`) the replacement, whole, and the value not needed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +46,19 @@ class Switch:
     (a pytree of boolean arrays of the value's structure and shapes, as `pull` returns it:
     stacked by loops, batched by a `vmap`); everything else keeps the value the program
     computes. One program then plants or keeps, as the traced `on` says (what `stx.sweep`
-    runs: one patch of many, chosen at run time)."""
+    runs: one patch of many, chosen at run time).
+
+    With `base` (the base run's value here, of the value's structure) and `after` (traced:
+    the patch is at a later mark), a mark the program runs once (not in a loop, nor under a
+    `vmap` inside) needs its value only where neither `on` nor `after` is: elsewhere it is
+    `base` with the replacement where `on` and `mask` are, and the mark becomes a `cond` whose
+    other branch is the value, so that `sinking.sink` can move what computes it in there."""
 
     on: Any
     mask: Any
     value: Any
+    base: Any = None
+    after: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,7 @@ class Planting:
     names: frozenset
     hooks: tuple  # ((name, (hook, ...)), ...), sorted by name
     masked: bool = False  # a `Switch` is planted: each mark also takes masks in
+    skipping: bool = False  # a `Switch` with `base`: each mark is a `cond` on SKIP
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Planting:
@@ -79,8 +90,11 @@ class Planting:
                     if spec not in hooks[name]:
                         hooks[name].append(spec)
         masked = any(isinstance(spec, Switch) for spec in values.values())
+        skipping = any(
+            isinstance(spec, Switch) and spec.base is not None for spec in values.values()
+        )
         hooks = tuple(sorted((n, tuple(h)) for n, h in hooks.items()))
-        return cls(frozenset(names), hooks, masked)
+        return cls(frozenset(names), hooks, masked, skipping)
 
     @property
     def cotangents(self) -> bool:
@@ -103,7 +117,8 @@ class Planting:
         # constants alone would be hoisted out of a loop body as loop-invariant.
         operands = [jnp.zeros_like(arrays[0], shape=(), dtype=np.int32), *arrays]
         hooks = self.hooks_of(meta.planted_as)
-        stepped = any(map(_takes_step, hooks))
+        # (skipping: the step leaf tells whether a loop is around, `feed`)
+        stepped = any(map(_takes_step, hooks)) or self.skipping
         tried = [_tried(meta, hook, value, arrays, stepped) for hook in hooks]
         failed = tuple(error for error, _ in tried)
         if self.masked:  # and where, element by element, a replacement goes
@@ -120,11 +135,26 @@ class Planting:
         step = taken.pop() if stepped else None
         replacement = taken[: len(arrays)]
         masks = taken[len(arrays) :] if self.masked else [None] * len(arrays)
-        out = []
-        for x, r, m in zip(arrays, replacement, masks, strict=True):
-            added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
-            replaced = r if m is None else jnp.where(m, r, x)
-            out.append(jax.lax.select_n(jnp.minimum(choice, ADD), x, replaced, added))
+
+        def chosen(arrays, replacement, masks):
+            index = jnp.minimum(choice, ADD)
+            if self.skipping:  # (SKIP, where the value is computed anyway: replaced by mask)
+                index = jnp.where(choice == SKIP, REPLACE, index)
+            out = []
+            for x, r, m in zip(arrays, replacement, masks, strict=True):
+                added = x + r if jnp.issubdtype(x.dtype, jnp.number) else x
+                replaced = r if m is None else jnp.where(m, r, x)
+                out.append(jax.lax.select_n(index, x, replaced, added))
+            return out
+
+        if self.skipping and not hooks and not any(map(_tracing.differentiated, arrays)):
+            # SKIP takes the replacement whole, and the value is read only in the other
+            # branch, where `sinking.sink` moves what computes it (a sweep's program). Under
+            # a derivative, the value is computed anyway: derivatives flow through it.
+            return jax.lax.cond(
+                choice == SKIP, lambda a, r, m: list(r), chosen, arrays, replacement, masks
+            )
+        out = chosen(arrays, replacement, masks)
         if not hooks:
             return out
         cases = [lambda: out] + [
@@ -245,8 +275,21 @@ def feed(
         code, replacement = KEEP, None
         if isinstance(spec, Switch):
             masks = [jnp.broadcast_to(m, a.shape) for m, a in zip(_leaves(spec.mask), mask_avals)]
-            out.append(_switched(spec, choice_aval))
-            out.extend(_replacement(key, meta, spec.value, value_avals))
+            replacement = spec.value
+            if spec.base is not None and meta.stepped:
+                # A mark outside every loop (a loop takes its step leaf in: `exposers.take`)
+                # runs once, after everything before it in program order: where the patch is
+                # here or later, what runs before it is the base run, and so is its value.
+                on = jnp.asarray(spec.on)
+                skip = jnp.broadcast_to(on | spec.after, choice_aval.shape)
+                out.append(jnp.where(skip, SKIP, KEEP).astype(np.int32))
+                replacement = jax.tree.map(
+                    lambda m, v, b: jnp.where(on & m, v, b), spec.mask, spec.value, spec.base
+                )
+                masks = [jnp.broadcast_to(on & m, jnp.shape(m)) for m in masks]
+            else:
+                out.append(_switched(spec, choice_aval))
+            out.extend(_replacement(key, meta, replacement, value_avals))
             out.extend(masks)
             out.extend(np.zeros(a.shape, a.dtype) for a in step_avals)
             continue

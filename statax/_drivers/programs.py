@@ -68,15 +68,17 @@ class Programs:
     def lower(self, fn: Callable, *args, **kwargs):
         return self.traced(fn, *args, **kwargs).lower(*args, **kwargs)
 
-    def traced(self, fn: Callable, *args, **kwargs) -> Traced:
+    def traced(self, fn: Callable, *args, rewrite: Callable | None = None, **kwargs) -> Traced:
         """`fn` traced now for arguments like these, and its compiled program: a `Traced`, to
         call on arguments of the same structure, types and static leaves (the chunks of one
-        sweep) without tracing again."""
+        sweep) without tracing again. `rewrite`, a function of a closed jaxpr that computes
+        the same, is applied to the trace before it is compiled (`sinking.sink`)."""
         jaxpr, consts, traced, out_info = trace_now(fn, args, kwargs)
-        key = made_of(jaxpr, ())  # (the constants are passed in: not part of the key)
+        key = (made_of(jaxpr, ()), rewrite)  # (the constants are passed in: not in the key)
         jitted = self._programs.pop(key, None)
         if jitted is None:
-            jitted = jax.jit(jex.jaxpr_as_fun(_jaxprs.constants_as_inputs(jaxpr)))
+            closed = _jaxprs.constants_as_inputs(jaxpr)
+            jitted = jax.jit(jex.jaxpr_as_fun(closed if rewrite is None else rewrite(closed)))
         self._programs[key] = jitted
         while len(self._programs) > self.keep:
             self._programs.popitem(last=False)

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._core import fastpaths as _fastpaths
 from .._core.errors import SweepError
+from .._core.sinking import sink
 from .._drivers.interventions import grad_inters, plant
 from .._drivers.planting import Switch
 from .._drivers.programs import Programs, made_of, shapes_of, trace_now
@@ -49,6 +50,7 @@ def sweep(
     method: str = "exact",
     examples: int = 0,
     batch_size: int = 64,
+    reuse: bool = True,
     patch_sharding: jax.sharding.Sharding | None = None,
     seed: int = 0,
     progress: bool | None = None,
@@ -87,6 +89,12 @@ def sweep(
             averages over and `"resample"` shuffles (a site stacked by a `scan` over layers
             outside a `vmap` has the layers first: `examples=1`).
         batch_size: how many patches run at once (memory grows with it).
+        reuse: start each patch from the base run: the run before a site, which no patch
+            there can change, is computed once a sweep, and each patch runs only what depends
+            on the patched value, through one program per site. A site whose patch reaches
+            the whole program (inside a `scan` over layers) runs in the one program all
+            patches run with `reuse=False`, which compiles less (see "Patching
+            experiments").
         patch_sharding: a sharding of one axis over devices (`NamedSharding(mesh, P("p"))`):
             each chunk's patches are split over them (`batch_size` a multiple of their
             number). The inputs keep their own sharding either way.
@@ -133,7 +141,7 @@ def sweep(
     )
 
     lowered = None
-    kept = _Kept(made, plan, method, batch_size, patch_sharding)
+    kept = _Kept(made, plan, method, batch_size, patch_sharding, reuse and method == "exact")
     if method == "attribution":
         traced = kept.get() or kept.put(
             _PROGRAMS.traced(_attribution(runs, plan), clean, corrupted)
@@ -143,7 +151,15 @@ def sweep(
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
         values, clean_metric, corrupted_metric, lowered = _exact(
-            runs, plan, clean, corrupted, batch_size, patch_sharding, progress, kept
+            runs,
+            plan,
+            clean,
+            corrupted,
+            batch_size,
+            patch_sharding,
+            progress,
+            kept,
+            reuse,
         )
     clean_metric = float(clean_metric)
     corrupted_metric = None if corrupted is None else float(corrupted_metric)
@@ -192,6 +208,7 @@ class _Kept:
     method: str
     batch_size: int
     sharding: Any
+    reuse: bool
 
     def get(self):
         traced = _TRACES.pop(self, None) if _fastpaths.on else None
@@ -306,41 +323,99 @@ def _mask(leaf, axes: dict, index) -> jax.Array:
     return mask
 
 
-def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept):
+@dataclasses.dataclass
+class _Programs:
+    """An exact sweep's programs, traced at its first chunk (or kept). With `reuse`: `prepare`
+    runs the two runs once a sweep, and `chunk` runs a chunk of one site's patches from their
+    values (`_reuse_program`); without: `chunk` runs the two runs and a chunk of any patches
+    (`_patch_program`)."""
+
+    reuse: bool
+    prepare: Any = None
+    chunk: Any = None
+
+
+def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, reuse):
     sizes = dict(plan.sizes)
+    programs = kept.get() or kept.put(_Programs(reuse))
+    if reuse:  # the two runs, once: each site's base value and source, the metrics
+        if programs.prepare is None:
+            programs.prepare = _PROGRAMS.traced(
+                functools.partial(_prepared, runs, plan), clean, corrupted
+            )
+        base_values, source, metrics = programs.prepare(clean, corrupted)
+        checks.check_ran(metrics[2])
+        base = corrupted if plan.mode == "denoising" else clean
+    # The patches, a chunk at a time (the last of each site's padded: one compiled shape); with
+    # `reuse`, a chunk holds one site's patches (its run before the site is skipped).
     patches = [(s, i) for s, key in enumerate(plan.keys) for i in range(math.prod(sizes[key]))]
-    site_ids = np.array([s for s, _ in patches], np.int32)
-    flat = np.array([i for _, i in patches], np.int32)
-    chunk = max(1, min(int(batch_size), len(patches)))
-    results, lowered, traced = [], None, None
-    starts = range(0, len(patches), chunk)
+    most = len(patches) if not reuse else max(math.prod(sizes[k]) for k in plan.keys)
+    size = batch_size if sharding is not None else max(1, min(int(batch_size), most))
+    chunks = []
+    for s, key in enumerate(plan.keys) if reuse else [(None, None)]:
+        mine = [p for p in patches if s is None or p[0] == s]
+        chunks += [mine[start : start + size] for start in range(0, len(mine), size)]
     bar = progress_bar(
-        progress, "stx.sweep", "plot", iterable=starts, desc="patching", unit="chunk"
+        progress, "stx.sweep", "plot", iterable=chunks, desc="patching", unit="chunk"
     )
-    for start in starts if bar is None else bar:
-        stop = min(start + chunk, len(patches))
-        pad = chunk - (stop - start)  # the last chunk padded: one compiled shape
-        s = np.concatenate([site_ids[start:stop], np.repeat(site_ids[stop - 1], pad)])
-        i = np.concatenate([flat[start:stop], np.repeat(flat[stop - 1], pad)])
+    results, lowered = [], None
+    for chunk in chunks if bar is None else bar:
+        padded = chunk + [chunk[-1]] * (size - len(chunk))
+        s = np.array([p[0] for p in padded], np.int32)
+        i = np.array([p[1] for p in padded], np.int32)
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        if traced is None:  # traced once a sweep (or kept): every chunk runs its program
-            traced = kept.get() or kept.put(
-                _PROGRAMS.traced(_patch_program(runs, plan), s, i, clean, corrupted)
-            )
-            # the chunk's program, lowered when asked (`memory_analysis()`)
-            lowered = functools.partial(traced.lower, s, i, clean, corrupted)
-        chunk_values, metrics = traced(s, i, clean, corrupted)
-        if not results:
-            checks.check_ran(metrics[2])
-        results.append(np.asarray(chunk_values)[: stop - start])
-    values = np.concatenate(results)
+        if reuse:
+            args = (s[0], i, base, base_values, source)
+            make = functools.partial(_reuse_program, runs, plan)
+        else:
+            args = (s, i, clean, corrupted)
+            make = functools.partial(_patch_program, runs, plan)
+        if programs.chunk is None:  # traced once a sweep (or kept): every chunk runs it
+            programs.chunk = _PROGRAMS.traced(make(), *args, rewrite=sink if reuse else None)
+        if lowered is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
+            lowered = functools.partial(programs.chunk.lower, *args)
+        chunk_values = programs.chunk(*args)
+        if not reuse:
+            chunk_values, metrics = chunk_values
+            if not results:
+                checks.check_ran(metrics[2])
+        results.append((len(chunk), chunk_values))
+    values = np.concatenate([np.asarray(v)[:n] for n, v in results])
     out, at = {}, 0
     for key in plan.keys:
         n = math.prod(sizes[key])
         out[key] = values[at : at + n].reshape(sizes[key])
         at += n
     return out, metrics[0], metrics[1], lowered
+
+
+def _prepared(runs: _Runs, plan: _Plan, clean, corrupted):
+    """The program that prepares a sweep with `reuse`: each site's value in the base run and
+    its source, and the metrics of the two runs."""
+    _, base_values, source, metrics = runs.prepared(plan, clean, corrupted)
+    return base_values, source, metrics
+
+
+def _reuse_program(runs: _Runs, plan: _Plan):
+    """The compiled program of a chunk of one site's patches, from the base run: `(site,
+    indices, base, base values, sources) -> metrics`. Every site is planted with a `Switch`
+    that knows the base run's value there: a site before the patched one (which `site`, not
+    batched, says) is computed, the patched one and those after it that the program reaches
+    before them run from the base run's values, and `sinking.sink` moves what computes a value
+    into the branch that needs it, so that the run before the patched site is skipped."""
+    planted = plant(runs.fn, at=runs.at)
+    axes, sizes = {k: dict(a) for k, a in plan.axes}, dict(plan.sizes)
+
+    def one(site, flat_index, base, base_values, source):
+        values = {}
+        for s, key in enumerate(plan.keys):
+            index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
+            masks = jax.tree.map(lambda leaf: _mask(leaf, axes[key], index), source[key])
+            values[key] = Switch(site == s, masks, source[key], base_values[key], site > s)
+        return _metric(runs.metric, planted(values, *base))
+
+    return jax.vmap(one, in_axes=(None, 0, None, None, None))
 
 
 def _patch_program(runs: _Runs, plan: _Plan):

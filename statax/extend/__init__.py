@@ -59,6 +59,7 @@ from .._core.rewrite import extend_equation as extend_equation
 from .._core.rewrite import pull_jaxpr as pull_jaxpr
 from .._core.rewrite import pull_open_jaxpr as pull_open_jaxpr
 from .._core.rewrite import restage_equation as restage_equation
+from .._core.sinking import Sinking as Sinking
 from .._core.thread_state import Threading as Threading
 from .._core.thread_state import batched_state_guard as batched_state_guard
 from .._jax.jaxprs import bind as bind
@@ -88,6 +89,7 @@ __all__ = [
     "Rewritten",
     "Rules",
     "SHARD_MAP_PRIMITIVE",
+    "Sinking",
     "StateError",
     "StateMeta",
     "SymbolicZero",

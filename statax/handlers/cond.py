@@ -24,6 +24,7 @@ from jax.extend import core as jex
 from jax.extend.core.primitives import cond_p
 
 from statax.extend import (
+    Sinking,
     StateError,
     StateMeta,
     batched_state_guard,
@@ -37,6 +38,7 @@ from statax.extend import (
     split_leaves,
     take,
     trace,
+    wraps_jaxpr,
 )
 
 
@@ -165,6 +167,59 @@ def _cond_state(eqn, invals, threading):
     return outs
 
 
+def _readers(eqn) -> list:
+    """Per input of a cond equation, the one branch that reads it (None for the index, and for
+    an operand several branches read or none)."""
+    out = [None]
+    opened = [b.jaxpr if wraps_jaxpr(b) else b for b in params.cond_branches(eqn.params)]
+    used = [_used(b) for b in opened]
+    for i in range(len(eqn.invars) - 1):
+        reading = [b for b, branch in enumerate(opened) if branch.invars[i] in used[b]]
+        out.append(reading[0] if len(reading) == 1 else None)
+    return out
+
+
+def _used(jaxpr) -> set:
+    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jex.Var)}
+    return used | {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+
+
+def _moved(eqn, moves: dict):
+    """The cond equation with `moves[b]` run first in branch `b`: the operands they define are
+    computed there, and what they read from outside comes in as new operands (of every branch,
+    read by the one that runs them)."""
+    defined = {v for eqns in moves.values() for e in eqns for v in e.outvars}
+    free: dict = {}  # (ordered)
+    for eqns in moves.values():
+        for e in eqns:
+            for v in e.invars:
+                if isinstance(v, jex.Var) and v not in defined:
+                    free.setdefault(v)
+    ops = eqn.invars[1:]
+    kept = [i for i, v in enumerate(ops) if v not in defined]
+    new = []
+    for b, branch in enumerate(params.cond_branches(eqn.params)):
+        opened = branch.jaxpr if wraps_jaxpr(branch) else branch
+        inner = {opened.invars[i]: v for i, v in enumerate(ops) if v in defined}
+        rename = lambda v, inner=inner: inner.get(v, v) if isinstance(v, jex.Var) else v  # noqa: E731
+        eqns = [e.replace(invars=[rename(v) for v in e.invars]) for e in opened.eqns]
+        invars = [*free, *(opened.invars[i] for i in kept)]
+        info = opened.debug_info
+        if info is not None and isinstance(info.arg_names, tuple):
+            info = info._replace(arg_names=("",) * len(invars))
+        made = opened.replace(
+            invars=invars,
+            eqns=[*moves.get(b, ()), *eqns],
+            outvars=[rename(v) for v in opened.outvars],
+            debug_info=info,
+        )
+        new.append(jex.ClosedJaxpr(made, branch.consts) if wraps_jaxpr(branch) else made)
+    return eqn.replace(
+        invars=[eqn.invars[0], *free, *(ops[i] for i in kept)],
+        params=params.cond_params(eqn.params, new),
+    )
+
+
 # A branch runs its jaxprs and nothing else: selections reach into them, and it runs no Python.
 # A batched predicate: JAX runs every branch for every example and selects.
 BATCHING_GUARD = batched_state_guard(
@@ -177,4 +232,5 @@ register_exposer(
     batching_guard=BATCHING_GUARD,
     selectable=True,
     runs_python=False,
+    sinking=Sinking(_readers, _moved),
 )
