@@ -8,7 +8,10 @@
    it reads from outside its arguments is read as it is then, is the next line.
 2. The store's write bandwidth against the disk's own sequential write speed, measured here in
    the same run, both made durable (fsync) as tensorstore's writes are (goal >= 70 %).
-3. Device memory of the compiled step as the number of blocks captured grows, with and without
+3. Recording one block's output, the function's output not asked for (`output=False`):
+   the compiled step stops after that block, against the forward pass alone (goal: block k
+   of L costs at most (k + 1) / L + 0.1 of it).
+4. Device memory of the compiled step as the number of blocks captured grows, with and without
    `offload=True` (`compiled.memory_analysis()`; goal: flat with offload). On the CPU backend
    host memory is the device's: its analysis counts host outputs as device outputs, so the
    figure is the same both ways there; a GPU shows the difference.
@@ -35,6 +38,7 @@ import statax as stx
 GPU = "--gpu" in sys.argv
 LAYERS, WIDTH, HEADS = 12, (768 if GPU else 128), (12 if GPU else 4)
 BATCH, SEQ, BATCHES, REPEATS = (16 if GPU else 8), (256 if GPU else 64), 16, 9
+BLOCKS = (2, 5)  # recorded alone, stopping early
 
 
 def init(key, layers=LAYERS):
@@ -67,6 +71,15 @@ def main():
         shutil.rmtree(path, ignore_errors=True)
         jitted = jax.jit(lambda p, x: model(p, x))
         with stx.record(jitted, to=path, progress=False) as recorder:
+            for x in xs:
+                recorder(params, x)
+
+    def run_record_block(k):  # one block, without the output: the step stops after it
+        path = os.path.join(root, f"store_block_{k}")
+        shutil.rmtree(path, ignore_errors=True)
+        jitted = jax.jit(lambda p, x: model(p, x))
+        recording = stx.record(jitted, to=path, keys=f"resid_{k}", output=False, progress=False)
+        with recording as recorder:
             for x in xs:
                 recorder(params, x)
 
@@ -125,6 +138,7 @@ def main():
             "record": run_record,
             "record, plain function": run_record_plain,
             "by hand": run_by_hand,
+            **{f"block {k}": (lambda k=k: run_record_block(k)) for k in BLOCKS},
         },
         REPEATS,
     )
@@ -141,6 +155,55 @@ def main():
         f"{'by hand / record (how much faster)':<44} {t['by hand'] / t['record']:6.3f}  (goal >= 2)"
         f"   {t['by hand'] * 1e3:8.1f} ms vs {t['record'] * 1e3:8.1f} ms"
     )
+    for k in BLOCKS:
+        goal = (k + 1) / LAYERS + 0.1
+        print(
+            f"{f'record block {k} of {LAYERS}, output=False / forward':<44} "
+            f"{t[f'block {k}'] / t['forward']:6.3f}  (goal <= {goal:.2f})"
+            f"   {t[f'block {k}'] * 1e3:8.1f} ms vs {t['forward'] * 1e3:8.1f} ms"
+        )
+    # The same in steady state: the step compiled and the store open, the other batches
+    # recorded (and written) against the forward pass of the same batches.
+    steady_forward = jax.jit(lambda params, x: model(params, x))
+
+    def forward_steady(xs):
+        steady_forward(params, xs[0]).block_until_ready()
+        start = time.perf_counter()
+        for x in xs[1:]:
+            out = steady_forward(params, x)
+        out.block_until_ready()
+        return time.perf_counter() - start
+
+    def block_steady(k, xs):
+        path = os.path.join(root, f"steady_block_{k}")
+        shutil.rmtree(path, ignore_errors=True)
+        recording = stx.record(
+            steady_forward, to=path, keys=f"resid_{k}", output=False, progress=False
+        )
+        with recording as recorder:
+            recorder(params, xs[0])
+            recorder.flush()
+            start = time.perf_counter()
+            for x in xs[1:]:
+                recorder(params, x)
+            recorder.flush()
+            return time.perf_counter() - start
+
+    # (and with four times the examples a batch: the per-call cost, a trace and the write's
+    # submission, against more computation)
+    bigger = [jnp.concatenate([x] * 4) for x in xs]
+    for label, inputs in (("steady state", xs), ("steady, 4x the batch", bigger)):
+        runs = {"forward": [], **{k: [] for k in BLOCKS}}
+        for _ in range(REPEATS):
+            runs["forward"].append(forward_steady(inputs))
+            for k in BLOCKS:
+                runs[k].append(block_steady(k, inputs))
+        for k in BLOCKS:
+            f, b = statistics.median(runs["forward"]), statistics.median(runs[k])
+            print(
+                f"{f'  block {k}, {label}':<44} {b / f:6.3f}  (goal <= "
+                f"{(k + 1) / LAYERS + 0.1:.2f})   {b * 1e3:8.1f} ms vs {f * 1e3:8.1f} ms"
+            )
     written = sum(v.nbytes for v in layers_batch[1:])
     store, disk = [], []
     for _ in range(REPEATS + 1):  # interleaved, the first of each a warm-up

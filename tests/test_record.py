@@ -72,6 +72,39 @@ def test_the_store_holds_what_pull_returns_and_fn_s_output_comes_back(tmp_path, 
     np.testing.assert_allclose(store["h_0"][2:4, 1], pulled(model, batches)["h_0"][2:4, 1])
 
 
+def deep(x, ws):
+    """Layers of tanh(x @ w), each output marked `"block"`, then a sum."""
+    for w in ws:
+        x = stx.save_inter(jnp.tanh(x @ w), name="block")
+    return jnp.sum(x, axis=-1)
+
+
+def test_without_the_output_the_step_runs_only_to_the_last_block_recorded(tmp_path):
+    """`output=False`: the compiled step holds the blocks up to the one recorded and no more
+    (its HLO's matrix products, counted), and the store holds what it holds with the output."""
+    ws = jnp.stack([jnp.eye(3) * (0.5 + i / 10) for i in range(6)])
+    batches = [(batch(i), ws) for i in range(2)]
+
+    def dots(recorder) -> int:
+        return len(re.findall(r"\bdot\(", recorder.lower(*batches[0]).compile().as_text()))
+
+    for keys, blocks in (("block_1", 2), ("block_4", 5), (["block_0", "block_2"], 3)):
+        stopping = stx.record(deep, to=tmp_path / f"{keys}.zarr", keys=keys, output=False)
+        whole = stx.record(deep, to=tmp_path / f"{keys}-whole.zarr", keys=keys)
+        assert dots(stopping) == blocks and dots(whole) == 6
+        with stopping, whole:
+            for args in batches:
+                assert stopping(*args) is None
+                np.testing.assert_allclose(whole(*args), deep(*args), rtol=1e-6)
+        a, b = (
+            stx.open_store(tmp_path / f"{keys}.zarr"),
+            stx.open_store(tmp_path / f"{keys}-whole.zarr"),
+        )
+        assert sorted(a) == sorted(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key][:], b[key][:])
+
+
 def test_the_metadata_says_what_each_key_is_and_where_it_was_saved(tmp_path):
     with stx.record(model, to=tmp_path / "s", progress=False) as recorder:
         recorder(batch(0), W)

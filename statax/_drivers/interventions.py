@@ -17,7 +17,7 @@ from . import nnx as _nnx
 from .planting import Add, Planting
 from .pull import Pulled, call_pulled, check_steps, pull
 
-__all__ = ["grad_inters", "plant"]
+__all__ = ["grad_inters", "plant", "planted_pull"]
 
 
 class _Planted(eqx.Module):
@@ -117,6 +117,23 @@ def plant(fn: Callable, *, at: Any = None, steps: int | None = None) -> Callable
     if not callable(fn):
         raise TypeError(f"stx.plant needs a callable, got {fn!r} of type {type(fn).__name__}.")
     return _Planted(fn, Plan.of(at).at, check_steps(steps, "stx.plant"))
+
+
+def planted_pull(fn: Callable, at: Any, values: Mapping[str, Any], args: tuple, ran=False):
+    """`(out, intermediates)`: one run of `fn(*args)` with `values` planted (as `plant` takes
+    them), and what `pull(fn, at=at, ran=ran)` returns of it, the planted values as planted:
+    a perturbation's value and the metric's gradient with respect to it from one forward
+    pass (attribution patching)."""
+    pulled = Pulled(
+        fn,
+        only=None,
+        enabled=True,
+        summarize=None,
+        ran=ran,
+        planting=Planting.of(values),
+        at=Plan.of(at).at,
+    )
+    return call_pulled(pulled, args, {}, values)
 
 
 def _differentiable(value) -> bool:

@@ -24,9 +24,9 @@ import numpy as np
 from .._core import fastpaths as _fastpaths
 from .._core.errors import SweepError
 from .._core.sinking import sink
-from .._drivers.interventions import grad_inters, plant
-from .._drivers.planting import Switch
-from .._drivers.programs import Programs, made_of, shapes_of, trace_now
+from .._drivers.interventions import plant, planted_pull
+from .._drivers.planting import Add, Switch
+from .._drivers.programs import Programs, _kind_of, made_of, shapes_of, trace_now
 from .._drivers.pull import pull
 from .._monitor.optional import progress_bar
 from . import checks
@@ -121,6 +121,30 @@ def sweep(
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
     runs = _Runs(fn, metric, at)
+    # The fast path of a one-program sweep (attribution): the program the last such sweep ran
+    # starts before the trace, and its result is kept where the trace is that sweep's.
+    asked = (
+        method,
+        repr(sites),
+        repr(axes),
+        mode,
+        examples,
+        seed,
+        _kind_of((clean, corrupted), {}),
+    )
+    guess, early = _LAST.get(asked, (None, None, None, None))[3], None
+    if (
+        method == "attribution"
+        and _fastpaths.on
+        and _LAST.get(asked, (None,) * 3)[:3]
+        == (
+            fn,
+            metric,
+            at,
+        )
+    ):
+        if guess is not None and guess.startable():
+            early = guess.run((clean, corrupted), {})  # (dispatched: it runs as the host traces)
     made, (clean_values, corrupted_values) = runs.shapes(clean, corrupted)  # (traced, not run)
     keys = checks.sites(sites, clean_values)
     if corrupted is not None:
@@ -144,9 +168,15 @@ def sweep(
     kept = _Kept(made, plan, method, batch_size, patch_sharding, reuse and method == "exact")
     if method == "attribution":
         traced = kept.get() or kept.put(
-            _PROGRAMS.traced(_attribution(runs, plan), clean, corrupted)
+            _PROGRAMS.traced(_attribution(runs, plan, clean_values), clean, corrupted)
         )
-        values, (clean_metric, corrupted_metric, ran) = traced(clean, corrupted)
+        _LAST[asked] = (fn, metric, at, traced)
+        while len(_LAST) > 8:
+            del _LAST[next(iter(_LAST))]
+        if early is not None and traced is guess:
+            values, (clean_metric, corrupted_metric, ran) = traced.unflatten(early)
+        else:
+            values, (clean_metric, corrupted_metric, ran) = traced(clean, corrupted)
         checks.check_ran(ran)
         values = {k: np.asarray(values[k]).reshape(sizes[k]) for k in keys}
     else:
@@ -197,6 +227,9 @@ _PROGRAMS = Programs(keep=8)
 # trace as a sweep before did (the same model and metric, reading the same arrays) skips
 # tracing its program, which is a function of them. The last eight.
 _TRACES: collections.OrderedDict = collections.OrderedDict()
+# The last one-program sweeps, by what they were asked (their options and the kind of their
+# inputs): `(fn, metric, at, Traced)`, whose program the next such sweep starts early.
+_LAST: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,10 +276,8 @@ class _Runs:
                 results.append(None)
                 continue
             out, values = self.pulled(*args)
-            ran = {k[: -len(".ran")]: v for k, v in values.items() if k.endswith(".ran")}
-            values = {k: v for k, v in values.items() if not k.endswith(".ran")}
-            order[:] = list(values)
-            results.append((_metric(self.metric, out), values, ran))
+            results.append(_run_of(self.metric, out, values))
+            order[:] = list(results[-1][1])
         return tuple(results)
 
     def shapes(self, clean, corrupted):
@@ -283,6 +314,13 @@ class _Runs:
         pick = lambda values: {k: values[k] for k in keys}  # noqa: E731
         metrics = (clean_metric, corrupted_metric, ran)
         return base, pick(base_values), pick(source), metrics
+
+
+def _run_of(metric, out, values) -> tuple:
+    """`(metric, values, ran)` of a run from what `pull(..., ran=True)` returned."""
+    ran = {k[: -len(".ran")]: v for k, v in values.items() if k.endswith(".ran")}
+    values = {k: v for k, v in values.items() if not k.endswith(".ran")}
+    return _metric(metric, out), values, ran
 
 
 def _metric(metric, out) -> jax.Array:
@@ -443,17 +481,34 @@ def _patch_program(runs: _Runs, plan: _Plan):
     return run
 
 
-def _attribution(runs: _Runs, plan: _Plan):
+def _attribution(runs: _Runs, plan: _Plan, shapes: dict):
     """The compiled program of an attribution sweep: `(clean, corrupted) -> ({key: metric at
-    each index}, clean metric, corrupted metric)`, from one backward pass at the base run."""
+    each index}, clean metric, corrupted metric)`. One forward and one backward pass of the
+    base run give its metric, its values at the sites and the metric's gradient with respect
+    to each (a zero perturbation planted there, `planted_pull`); the source run, where it is
+    the other run, is one forward pass more."""
     axes = {k: dict(a) for k, a in plan.axes}
 
-    def loss(*args):
-        return _metric(runs.metric, runs.fn(*args))
-
     def first_order(clean, corrupted):
-        base, base_values, source, metrics = runs.prepared(plan, clean, corrupted)
-        baseline, grads = grad_inters(loss, at=runs.at)(*base)
+        base, other = (corrupted, clean) if plan.mode == "denoising" else (clean, corrupted)
+        zeros = {
+            k: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[k]) for k in plan.keys
+        }
+
+        def loss(perturbations):
+            values = {k: Add(d) for k, d in perturbations.items()}
+            out, pulled = planted_pull(runs.fn, runs.at, values, base, ran=True)
+            run = _run_of(runs.metric, out, pulled)
+            return run[0], run
+
+        (_, (baseline, base_values, ran)), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
+        if plan.mode in ("denoising", "noising"):
+            other_metric, source, other_ran = _run_of(runs.metric, *runs.pulled(*other))
+            ran = {k: ran.get(k, True) & other_ran.get(k, True) for k in {*ran, *other_ran}}
+        else:
+            other_metric = None if corrupted is None else runs.pulled(*corrupted)[0]
+            other_metric = None if other_metric is None else _metric(runs.metric, other_metric)
+            source = _ablation(plan.mode, base_values, plan.examples, plan.seed)
         out = {}
         for key in plan.keys:
             total = 0.0
@@ -465,6 +520,9 @@ def _attribution(runs: _Runs, plan: _Plan):
                 order = sorted(kept)  # what the sum leaves, in the order of `axes`
                 total = total + jnp.transpose(summed, [order.index(a) for a in kept])
             out[key] = baseline + total
-        return out, metrics
+        ran = {k: ran[k] for k in plan.keys if k in ran}
+        if plan.mode == "denoising":
+            return out, (other_metric, baseline, ran)
+        return out, (baseline, other_metric, ran)
 
     return first_order

@@ -28,6 +28,7 @@ class Capture:
     subsample: tuple | None
     offload: bool
     keys: tuple | None = None  # the entries of `keys=` (keys or names), or None: every key
+    output: bool = True  # whether the step returns the function's output (else: None)
 
     def axes_of(self, inters: dict) -> dict:
         """Each key's examples axis from `axis={entry: axis}`, an entry naming a key or every
@@ -84,9 +85,11 @@ class Capture:
 
 
 def step(capture: Capture, batch, args: tuple, kwargs: dict):
-    """The step, traced into the recorder's compiled program: `(out, values)`."""
+    """The step, traced into the recorder's compiled program: `(out, values)`, `out` None
+    where the output is not asked for (the compiler then drops what only it needs: the layers
+    after the last one recorded)."""
     out, inters = capture.pulled(*args, **kwargs)
-    return out, capture.device_values(inters, batch)
+    return (out if capture.output else None), capture.device_values(inters, batch)
 
 
 def subsample(values: dict, k: int, axis: int, seed: int, batch) -> dict:

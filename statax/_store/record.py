@@ -43,6 +43,7 @@ def record(
     keys: Any = None,
     steps: Any = None,
     ran: bool = False,
+    output: bool = True,
     positions: int | None = None,
     position_axis: int = 1,
     seed: int = 0,
@@ -54,12 +55,12 @@ def record(
     """Record what `stx.pull(fn)` returns, call after call, into a store at `to`.
 
     `recorder = stx.record(fn, to="acts.zarr", at=...)` is called as `fn` is and returns `fn`'s
-    output; each call appends its batch to the store: one zarr v3 array per key (tensorstore
-    writes them), the examples along axis 0. A value sharded over devices is written shard by
-    shard, by the process that holds each shard, into its region: nothing is gathered. The
-    writes run in the background and overlap the next call; `flush()` (or leaving a `with`
-    block) waits for them. A store that holds batches already is appended to, after the last
-    one committed. `stx.open_store(to)` reads it back.
+    output (None with `output=False`); each call appends its batch to the store: one zarr v3
+    array per key (tensorstore writes them), the examples along axis 0. A value sharded over
+    devices is written shard by shard, by the process that holds each shard, into its region:
+    nothing is gathered. The writes run in the background and overlap the next call; `flush()`
+    (or leaving a `with` block) waits for them. A store that holds batches already is appended
+    to, after the last one committed. `stx.open_store(to)` reads it back.
 
     Args:
         fn: the function, as `pull` takes it.
@@ -78,6 +79,10 @@ def record(
             solvers").
         ran: as in `pull`: also store which rows ran (`f"{key}.ran"`), so that the number of
             tokens each prompt generated is `store[f"{key}.ran"][:].sum(1)`.
+        output: return `fn`'s output from each call. With `output=False` a call returns None
+            and its compiled step computes only what the recorded values need: recording block
+            3 of 12 runs blocks 0 to 3 (the compiler drops the rest, as SAELens's
+            `stop_at_layer` stops the forward pass).
         positions: keep this many random positions per example (along `position_axis`, of
             every value that has it), as sparse-autoencoder recipes keep k tokens per sequence.
             Drawn on device from `seed` and the batch's number; the positions kept are stored
@@ -119,6 +124,7 @@ def record(
         str(to),
         axis=axis,
         keys=keys,
+        output=bool(output),
         subsample=None if positions is None else (int(positions), int(position_axis), int(seed)),
         offload=bool(offload),
         max_in_flight=max_in_flight,
@@ -148,6 +154,7 @@ class Recorder:
         *,
         axis,
         keys=None,
+        output=True,
         subsample,
         offload,
         max_in_flight,
@@ -157,7 +164,7 @@ class Recorder:
     ):
         self.path = path
         axis = tuple(sorted(axis.items())) if isinstance(axis, Mapping) else int(axis)
-        self._capture = capture.Capture(pulled, axis, subsample, offload, keys)
+        self._capture = capture.Capture(pulled, axis, subsample, offload, keys, output)
         self._selection = selection
         self._per_batch = pulled.summarize is not None
         self._process, self._processes = jax.process_index(), jax.process_count()
