@@ -133,6 +133,7 @@ def test_a_sweep_with_reuse_runs_no_layer_outside_the_conds_that_skip_it():
     """An unrolled model whose every layer's output is a site: with `reuse`, each layer's work
     is inside the `cond` of the site after it, so a patch at site `s` runs layers `s+1...` only;
     without, every layer runs for every patch."""
+    from statax._patching import runs as sweep_runs
     from statax._patching import sweep as sweeping
 
     def model(x, ws):
@@ -141,10 +142,10 @@ def test_a_sweep_with_reuse_runs_no_layer_outside_the_conds_that_skip_it():
         return x
 
     x, ws = jnp.ones((2, 3)), jnp.ones((4, 3, 3)) / 3
-    runs = sweeping._Runs(model, lambda out: jnp.sum(out, axis=-1), None)
+    runs = sweep_runs.Runs(model, lambda out: jnp.sum(out, axis=-1), None)
     _, (shapes, _) = runs.shapes((x, ws), None)
     keys = tuple(shapes)
-    plan = sweeping._Plan(
+    plan = sweep_runs.Plan(
         "zero", 0, 0, keys, tuple((k, ()) for k in keys), tuple((k, ()) for k in keys)
     )
     values = {k: jnp.zeros(s.shape) for k, s in shapes.items()}

@@ -26,7 +26,7 @@ from .._core.structure import constants_key, program_key, static_key
 from .._jax import jaxprs as _jaxprs
 from .._jax import tracing as _tracing
 
-__all__ = ["Programs", "Traced", "made_of", "shapes_of", "trace_now"]
+__all__ = ["Programs", "Traced", "kind_of", "made_of", "shapes_of", "trace_now"]
 
 
 class Programs:
@@ -52,7 +52,7 @@ class Programs:
         the same program and the very same constants, so the result is the one the trace's
         own program would give. Otherwise (or where the program has effects: a callback
         runs once) it runs the trace's program after tracing, as the plain path does."""
-        kind = _kind_of(args, kwargs)
+        kind = kind_of(args, kwargs)
         guess = self._last.pop(kind, None) if _fastpaths.on else None
         early = None
         if guess is not None and guess.startable():
@@ -119,7 +119,7 @@ def _shape(aval) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
-def _kind_of(args, kwargs):
+def kind_of(args, kwargs):
     """What a call's arguments are, short of their values: their tree, which leaves are arrays
     and of what type, and the others (hashable, else by identity)."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))

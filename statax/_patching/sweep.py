@@ -26,11 +26,11 @@ from .._core.errors import SweepError
 from .._core.sinking import sink
 from .._drivers.interventions import plant, planted_pull
 from .._drivers.planting import Add, Switch
-from .._drivers.programs import Programs, _kind_of, made_of, shapes_of, trace_now
-from .._drivers.pull import pull
+from .._drivers.programs import Programs, kind_of
 from .._monitor.optional import progress_bar
 from . import checks
 from .result import SweepResult
+from .runs import Plan, Runs, ablation, mask, metric_of, run_of
 
 __all__ = ["MODES", "sweep"]
 
@@ -120,7 +120,7 @@ def sweep(
     per_site = any(isinstance(v, Mapping) for v in axes.values())
 
     at = tuple(at) if isinstance(at, list) else at  # (hashable: a key of the programs)
-    runs = _Runs(fn, metric, at)
+    runs = Runs(fn, metric, at)
     # The fast path of a one-program sweep (attribution): the program the last such sweep ran
     # starts before the trace, and its result is kept where the trace is that sweep's.
     asked = (
@@ -130,7 +130,7 @@ def sweep(
         mode,
         examples,
         seed,
-        _kind_of((clean, corrupted), {}),
+        kind_of((clean, corrupted), {}),
     )
     guess, early = _LAST.get(asked, (None, None, None, None))[3], None
     if (
@@ -155,7 +155,7 @@ def sweep(
         checks.differentiable(keys, clean_values)
     site_axes = {k: checks.axes_of(k, axes, per_site) for k in keys}
     sizes = {k: checks.axis_sizes(k, clean_values[k], site_axes[k]) for k in keys}
-    plan = _Plan(
+    plan = Plan(
         mode,
         examples,
         seed,
@@ -207,18 +207,6 @@ def sweep(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What a sweep patches: hashable, part of the key of its compiled programs."""
-
-    mode: str
-    examples: int
-    seed: int
-    keys: tuple
-    axes: tuple  # ((key, ((name, axis), ...)), ...): each site's
-    sizes: tuple  # ((key, (size per axis, ...)), ...)
-
-
 # The compiled programs of sweeps, kept by what they compute (the last eight): a sweep over new
 # inputs of the same shapes compiles nothing, and one of a changed model runs it as it is now.
 _PROGRAMS = Programs(keep=8)
@@ -254,111 +242,6 @@ class _Kept:
         while len(_TRACES) > 8:
             _TRACES.popitem(last=False)
         return traced
-
-
-class _Runs:
-    """The clean and corrupted runs: `runs(clean, corrupted) -> ((metric, values), (metric,
-    values) or None)`, traced inside each program of a sweep, and `shapes` of them without
-    running anything. A dict leaves `jax.eval_shape` in sorted order: `order` keeps `pull`'s
-    (program order), and its keys (which know where they were saved), from the trace."""
-
-    def __init__(self, fn, metric, at):
-        self.fn, self.at = fn, at
-        # `ran=True`: a site in a branch not taken is there under a trace (zeros), its flag
-        # says it did not run.
-        self.pulled, self.metric, self.order = pull(fn, at=at, ran=True), metric, [[], []]
-
-    def runs(self, clean, corrupted):
-        """`((metric, values, ran), ...)`: `ran`, whether each site that may not have run ran."""
-        results = []
-        for order, args in zip(self.order, (clean, corrupted)):
-            if args is None:
-                results.append(None)
-                continue
-            out, values = self.pulled(*args)
-            results.append(_run_of(self.metric, out, values))
-            order[:] = list(results[-1][1])
-        return tuple(results)
-
-    def shapes(self, clean, corrupted):
-        """`(made_of, shapes)`: the two runs traced now (with the inputs' arrays traced and
-        their other leaves static, as `pull`): what they compute, their constants included
-        (`programs.made_of`: a sweep program is a function of it, so the one made of an equal
-        trace serves), and the values' shapes of each run (`None` for no corrupted run), in
-        program order."""
-        jaxpr, consts, _, out_info = trace_now(self.runs, (clean, corrupted), {})
-        shaped = shapes_of(jaxpr, out_info)
-        return made_of(jaxpr, consts), tuple(
-            None if r is None else {k: r[1][k] for k in order}
-            for order, r in zip(self.order, shaped)
-        )
-
-    def prepared(self, plan: _Plan, clean, corrupted):
-        """Inside a program: the base run's arguments and values, each site's source, and the
-        metric of each run, as `plan.mode` says."""
-        (clean_metric, clean_values, clean_ran), corrupted_run = self.runs(clean, corrupted)
-        corrupted_metric, corrupted_values, corrupted_ran = corrupted_run or (None, None, {})
-        keys = plan.keys
-        ran = {
-            k: jnp.all(jnp.stack([r[k] for r in (clean_ran, corrupted_ran) if k in r]))
-            for k in keys
-            if k in clean_ran or k in corrupted_ran
-        }
-        if plan.mode == "denoising":
-            base, base_values, source = corrupted, corrupted_values, clean_values
-        elif plan.mode == "noising":
-            base, base_values, source = clean, clean_values, corrupted_values
-        else:
-            base, base_values = clean, clean_values
-            source = _ablation(plan.mode, clean_values, plan.examples, plan.seed)
-        pick = lambda values: {k: values[k] for k in keys}  # noqa: E731
-        metrics = (clean_metric, corrupted_metric, ran)
-        return base, pick(base_values), pick(source), metrics
-
-
-def _run_of(metric, out, values) -> tuple:
-    """`(metric, values, ran)` of a run from what `pull(..., ran=True)` returned."""
-    ran = {k[: -len(".ran")]: v for k, v in values.items() if k.endswith(".ran")}
-    values = {k: v for k, v in values.items() if not k.endswith(".ran")}
-    return _metric(metric, out), values, ran
-
-
-def _metric(metric, out) -> jax.Array:
-    value = jnp.asarray(metric(out))
-    if value.ndim > 1 or not jnp.issubdtype(value.dtype, jnp.floating):
-        raise SweepError(
-            f"stx.sweep: the metric returned {value.dtype}{tuple(value.shape)}; it must return "
-            "a float scalar, or one per example (shape (batch,)), of the function's output."
-        )
-    return jnp.mean(value)
-
-
-def _ablation(mode: str, values: dict, axis: int, seed: int) -> dict:
-    def source(v):
-        if mode == "zero":
-            return jnp.zeros_like(v)
-        if mode == "mean":
-            mean = jnp.mean(v, axis=axis, keepdims=True)
-            return jnp.broadcast_to(mean, v.shape).astype(v.dtype)
-        examples = v.shape[axis]
-        if examples < 2:
-            raise SweepError("stx.sweep(mode='resample') needs at least two examples.")
-        shift = 1 + int(np.random.default_rng(seed).integers(examples - 1))
-        return jnp.roll(v, shift, axis=axis)  # every example takes another's value
-
-    return {k: jax.tree.map(source, v) for k, v in values.items()}
-
-
-def _mask(leaf, axes: dict, index) -> jax.Array:
-    """Where `index` (one entry per axis, traced) is, in a leaf's shape, broadcastable (all
-    of it where no axis is patched)."""
-    mask = jnp.ones((), bool)
-    for (_, axis), i in zip(axes.items(), index):
-        axis = axis % leaf.ndim
-        shape = [1] * leaf.ndim
-        shape[axis] = leaf.shape[axis]
-        mask = mask & (jnp.arange(leaf.shape[axis]).reshape(shape) == i)
-    return mask
 
 
 @dataclasses.dataclass
@@ -428,14 +311,14 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, r
     return out, metrics[0], metrics[1], lowered
 
 
-def _prepared(runs: _Runs, plan: _Plan, clean, corrupted):
+def _prepared(runs: Runs, plan: Plan, clean, corrupted):
     """The program that prepares a sweep with `reuse`: each site's value in the base run and
     its source, and the metrics of the two runs."""
     _, base_values, source, metrics = runs.prepared(plan, clean, corrupted)
     return base_values, source, metrics
 
 
-def _reuse_program(runs: _Runs, plan: _Plan):
+def _reuse_program(runs: Runs, plan: Plan):
     """The compiled program of a chunk of one site's patches, from the base run: `(site,
     indices, base, base values, sources) -> metrics`. Every site is planted with a `Switch`
     that knows the base run's value there: a site before the patched one (which `site`, not
@@ -449,14 +332,14 @@ def _reuse_program(runs: _Runs, plan: _Plan):
         values = {}
         for s, key in enumerate(plan.keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-            masks = jax.tree.map(lambda leaf: _mask(leaf, axes[key], index), source[key])
+            masks = jax.tree.map(lambda leaf: mask(leaf, axes[key], index), source[key])
             values[key] = Switch(site == s, masks, source[key], base_values[key], site > s)
-        return _metric(runs.metric, planted(values, *base))
+        return metric_of(runs.metric, planted(values, *base))
 
     return jax.vmap(one, in_axes=(None, 0, None, None, None))
 
 
-def _patch_program(runs: _Runs, plan: _Plan):
+def _patch_program(runs: Runs, plan: Plan):
     """The compiled program of a chunk: `(sites, indices, clean, corrupted) -> (metrics, clean
     metric, corrupted metric)`. The two runs are computed once per chunk (nothing in them
     depends on the patch); every site is planted with a `Switch`, on where the patch is its
@@ -470,9 +353,9 @@ def _patch_program(runs: _Runs, plan: _Plan):
         for s, key in enumerate(plan.keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
             site_axes = axes[key]
-            masks = jax.tree.map(lambda leaf: _mask(leaf, site_axes, index), source[key])
+            masks = jax.tree.map(lambda leaf: mask(leaf, site_axes, index), source[key])
             values[key] = Switch(site == s, masks, source[key])
-        return _metric(runs.metric, planted(values, *base))
+        return metric_of(runs.metric, planted(values, *base))
 
     def run(sites, indices, clean, corrupted):
         base, _, source, metrics = runs.prepared(plan, clean, corrupted)
@@ -481,7 +364,7 @@ def _patch_program(runs: _Runs, plan: _Plan):
     return run
 
 
-def _attribution(runs: _Runs, plan: _Plan, shapes: dict):
+def _attribution(runs: Runs, plan: Plan, shapes: dict):
     """The compiled program of an attribution sweep: `(clean, corrupted) -> ({key: metric at
     each index}, clean metric, corrupted metric)`. One forward and one backward pass of the
     base run give its metric, its values at the sites and the metric's gradient with respect
@@ -498,17 +381,17 @@ def _attribution(runs: _Runs, plan: _Plan, shapes: dict):
         def loss(perturbations):
             values = {k: Add(d) for k, d in perturbations.items()}
             out, pulled = planted_pull(runs.fn, runs.at, values, base, ran=True)
-            run = _run_of(runs.metric, out, pulled)
+            run = run_of(runs.metric, out, pulled)
             return run[0], run
 
         (_, (baseline, base_values, ran)), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
         if plan.mode in ("denoising", "noising"):
-            other_metric, source, other_ran = _run_of(runs.metric, *runs.pulled(*other))
+            other_metric, source, other_ran = run_of(runs.metric, *runs.pulled(*other))
             ran = {k: ran.get(k, True) & other_ran.get(k, True) for k in {*ran, *other_ran}}
         else:
             other_metric = None if corrupted is None else runs.pulled(*corrupted)[0]
-            other_metric = None if other_metric is None else _metric(runs.metric, other_metric)
-            source = _ablation(plan.mode, base_values, plan.examples, plan.seed)
+            other_metric = None if other_metric is None else metric_of(runs.metric, other_metric)
+            source = ablation(plan.mode, base_values, plan.examples, plan.seed)
         out = {}
         for key in plan.keys:
             total = 0.0
