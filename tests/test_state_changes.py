@@ -15,6 +15,7 @@ placement of four kinds (`-m exhaustive` the rest).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import equinox as eqx
@@ -347,6 +348,16 @@ def d_sweep(kind, fn, args, at, _):
     return {k: result[k] for k in result.sites}, result.clean
 
 
+@functools.cache
+def _metric_of(kind):  # one object per kind: a repeated sweep starts its program early
+    return lambda out: jnp.mean(_leaf(kind, out))
+
+
+def d_attribution(kind, fn, args, at, _):
+    result = stx.sweep(fn, _metric_of(kind), args, at=at, mode="zero", method="attribution")
+    return {k: result[k] for k in result.sites}, result.clean
+
+
 def d_record(kind, fn, args, at, path):
     with stx.record(fn, to=path, at=at, progress=False) as recorder:
         out = recorder(*args)
@@ -362,6 +373,7 @@ DRIVERS = {
     "first_nonfinite": d_first_nonfinite,
     "stateful": d_stateful,
     "sweep": d_sweep,
+    "attribution": d_attribution,
     "record": d_record,
 }
 

@@ -557,6 +557,42 @@ def test_a_second_sweep_over_new_inputs_compiles_nothing():
     assert stats.temp_size_in_bytes >= 0 and stats.argument_size_in_bytes > 0
 
 
+def test_a_repeated_attribution_sweep_starts_its_program_early_and_keeps_it_only_if_current(
+    monkeypatch,
+):
+    """The second attribution sweep of the same function runs the program the first ran once,
+    started before its trace; after the model changes (a global it reads), the early result is
+    dropped and the program of the new trace gives the new model's answer."""
+    from statax._core import fastpaths
+    from statax._drivers.programs import Traced
+
+    weights = {"w": jnp.eye(3, dtype=jnp.float32) * 0.5}
+
+    def model(x):
+        return jnp.sum(stx.save_inter(jnp.tanh(x @ weights["w"]), name="h"), axis=-1)
+
+    runs = []
+    real = Traced.run
+    monkeypatch.setattr(Traced, "run", lambda self, *a: runs.append(1) or real(self, *a))
+    metric = lambda out: out  # noqa: E731
+    x = (jnp.ones((2, 3), jnp.float32),)
+
+    def attribution():
+        runs.clear()
+        result = stx.sweep(model, metric, x, axes={"feature": 1}, mode="zero", method="attribution")
+        return result.array(), len(runs)
+
+    first, _ = attribution()
+    again, count = attribution()
+    np.testing.assert_array_equal(again, first)
+    assert count == 1  # the early run, kept
+    weights["w"] = jnp.eye(3, dtype=jnp.float32) * 2.0
+    changed, count = attribution()
+    assert count == (2 if fastpaths.on else 1)  # the early run dropped, the trace's program run
+    h = jnp.tanh(x[0] @ weights["w"])  # zero ablation, first order: mean(sum(h)) - h * dh
+    np.testing.assert_allclose(changed[0], np.mean(np.sum(h, -1)) - np.mean(h, 0), rtol=1e-5)
+
+
 def test_sites_come_in_program_order_past_ten():
     """Twelve sites: `resid_10` comes after `resid_9`, not after `resid_1` (as a dict's keys
     sorted would put it)."""
