@@ -2,6 +2,8 @@
 returns for each batch (gathered); sharded over 8 devices and written by 2 processes; killed
 mid-write and resumed; and every bad input."""
 
+import functools
+import inspect
 import os
 import re
 import socket
@@ -23,6 +25,18 @@ from statax._store.writing import Writer
 from tests.store import worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "store", "worker.py")
+RECORD = stx.record
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["output", "no-output"])
+def output(request, monkeypatch):
+    """Every test that records in this process runs both ways: each call returning the
+    function's output, and without it (`output=False`: the step computes only the captures),
+    the store the same. (A test that records in other processes runs once.)"""
+    if not request.param and "stx.record(" not in inspect.getsource(request.function):
+        pytest.skip("records in other processes only: run once")
+    monkeypatch.setattr(stx, "record", functools.partial(RECORD, output=request.param))
+    return request.param
 
 
 def model(x, w):
@@ -59,7 +73,7 @@ def assert_store_equals(store, expected):
 def test_the_store_holds_what_pull_returns_and_fn_s_output_comes_back(tmp_path, max_in_flight):
     batches = [(batch(i), W) for i in range(3)]
     recording = stx.record(
-        model, to=tmp_path / "acts.zarr", max_in_flight=max_in_flight, progress=False
+        model, to=tmp_path / "acts.zarr", max_in_flight=max_in_flight, progress=False, output=True
     )
     with recording as recorder:
         outs = [recorder(*args) for args in batches]
@@ -90,7 +104,7 @@ def test_without_the_output_the_step_runs_only_to_the_last_block_recorded(tmp_pa
 
     for keys, blocks in (("block_1", 2), ("block_4", 5), (["block_0", "block_2"], 3)):
         stopping = stx.record(deep, to=tmp_path / f"{keys}.zarr", keys=keys, output=False)
-        whole = stx.record(deep, to=tmp_path / f"{keys}-whole.zarr", keys=keys)
+        whole = stx.record(deep, to=tmp_path / f"{keys}-whole.zarr", keys=keys, output=True)
         assert dots(stopping) == blocks and dots(whole) == 6
         with stopping, whole:
             for args in batches:
@@ -212,7 +226,8 @@ def test_a_flax_nnx_model_and_its_submodules(tmp_path):
             return self.b(jax.nn.relu(self.a(x)))
 
     net = Net(nnx.Rngs(0))
-    with stx.record(net, to=tmp_path / "s", at=stx.modules("a", "b"), progress=False) as r:
+    recording = stx.record(net, to=tmp_path / "s", at=stx.modules("a", "b"), output=True)
+    with recording as r:
         outs = [r(batch(i)) for i in range(2)]
     store = stx.open_store(tmp_path / "s")
     xs = np.concatenate([batch(i) for i in range(2)])
@@ -634,7 +649,7 @@ def test_progress_shows_the_batches_written(tmp_path, capsys):
 # ---- off the device early -----------------------------------------------------------------------
 
 
-def test_offload_moves_the_captures_to_host_memory_inside_the_program(tmp_path):
+def test_offload_moves_the_captures_to_host_memory_inside_the_program(tmp_path, output):
     x = batch(0)
     try:
         recorder = stx.record(model, to=tmp_path / "s", offload=True, progress=False)
@@ -643,9 +658,10 @@ def test_offload_moves_the_captures_to_host_memory_inside_the_program(tmp_path):
         assert jax.__version_info__ < (0, 9)
         return
     compiled = recorder.lower(x, W).compile()
-    out_sharding, *captured = compiled.output_shardings  # (flat: fn's one output first)
-    assert {s.memory_kind for s in captured} == {"pinned_host"}
-    assert out_sharding.memory_kind == "device"  # fn's output stays where it was
+    captured = list(compiled.output_shardings)  # (flat: fn's one output first, if asked)
+    if output:
+        assert captured.pop(0).memory_kind == "device"  # fn's output stays where it was
+    assert len(captured) == 2 and {s.memory_kind for s in captured} == {"pinned_host"}
     with recorder:
         recorder(x, W)
     assert_store_equals(stx.open_store(tmp_path / "s"), pulled(model, [(x, W)]))
