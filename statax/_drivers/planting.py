@@ -8,7 +8,9 @@ A planted mark is decided where it is bound, as `only=` is: while `plant(fn)` tr
 
 The choice of each occurrence (keep, replace, add, or the j-th hook) is a constant of the
 program `plant` runs, so the compiler keeps one case and drops the others, and with them any
-work that only fed the replaced value.
+work that only fed the replaced value. In a sweep's program with `reuse` (a `Switch` that
+knows the base run's value), a mark outside every loop is first a `cond` on SKIP, which takes
+the replacement whole without the value (see `Switch`).
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ class Switch:
     runs: one patch of many, chosen at run time).
 
     With `base` (the base run's value here, of the value's structure) and `after` (traced:
-    the patch is at a later mark), a mark the program runs once (not in a loop, nor under a
-    `vmap` inside) needs its value only where neither `on` nor `after` is: elsewhere it is
-    `base` with the replacement where `on` and `mask` are, and the mark becomes a `cond` whose
-    other branch is the value, so that `sinking.sink` can move what computes it in there."""
+    the patch is at a later mark), a mark the program runs once (in no loop) needs its value
+    only where neither `on` nor `after` is: elsewhere it is `base` with the replacement where
+    `on` and `mask` are, and the mark becomes a `cond` whose other branch is the value, so
+    that `sinking.sink` can move what computes it in there. (Under a `vmap` inside, where the
+    choice is per example, the `cond` is batched into a select: the same values, nothing
+    skipped.)"""
 
     on: Any
     mask: Any
