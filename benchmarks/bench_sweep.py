@@ -142,6 +142,15 @@ def by_hand_attribution(params, clean, corrupted):
     )
 
 
+def ratios(times: dict, rows: list) -> None:
+    """One line per `(a, b, goal)`: the ratio of the two runs' times, the goal, the times."""
+    for a, b, goal in rows:
+        print(
+            f"  {f'{a} / {b}':<44} {times[a] / times[b]:6.2f}  (goal {goal or '-':>7})   "
+            f"{times[a]:.3f} s vs {times[b]:.3f} s"
+        )
+
+
 def main():
     params = init(jax.random.PRNGKey(0))
     clean, corrupted = inputs()
@@ -228,21 +237,16 @@ def main():
         "attribution by hand": attribution,
     }
     t = interleaved_medians(steady, REPEATS)
-    rows = [
-        (
-            "sweep, reuse=False / by hand, batched",
-            "<= 1.05",
-            "sweep, reuse=False",
-            "by hand, batched",
-        ),
-        ("sweep (reuse) / by hand, prefix reuse", "<= 1.1", "sweep", "by hand, prefix reuse"),
-        ("sweep (reuse) / sweep, reuse=False", "", "sweep", "sweep, reuse=False"),
-        ("attribution / by hand", "<= 1.05", "attribution", "attribution by hand"),
-    ]
     print("steady state (the next prompt pair):")
-    for label, goal, a, b in rows:
-        ratio = t[a] / t[b]
-        print(f"  {label:<44} {ratio:6.2f}  (goal {goal or '-':>7})   {t[a]:.3f} s vs {t[b]:.3f} s")
+    ratios(
+        t,
+        [
+            ("sweep, reuse=False", "by hand, batched", "<= 1.05"),
+            ("sweep", "by hand, prefix reuse", "<= 1.1"),
+            ("sweep", "sweep, reuse=False", ""),
+            ("attribution", "attribution by hand", "<= 1.05"),
+        ],
+    )
 
     # A scan over layers (the blocks' weights stacked): no site runs once, so nothing is
     # skipped; reuse runs the two runs once a sweep and costs what `reuse=False` costs.
@@ -331,19 +335,16 @@ def main():
     print("first calls (traced and compiled afresh):")
     for name, seconds in f.items():
         print(f"  {name:<44} {seconds:6.2f} s")
-    for label, goal, a, b in [
-        (
-            "sweep, reuse=False / by hand, batched",
-            "<= 1.2",
-            "sweep, reuse=False",
-            "by hand, batched",
-        ),
-        ("sweep (reuse) / by hand, batched", "<= 1.2", "sweep", "by hand, batched"),
-        ("sweep (reuse) / by hand, prefix reuse", "", "sweep", "by hand, prefix reuse"),
-        ("attribution / by hand", "", "attribution", "attribution by hand"),
-        ("loop of jitted plant calls / sweep", "", "loop of jitted plant calls", "sweep"),
-    ]:
-        print(f"  {label:<44} {f[a] / f[b]:6.2f}  (goal {goal or '-':>7})")
+    ratios(
+        f,
+        [
+            ("sweep, reuse=False", "by hand, batched", "<= 1.2"),
+            ("sweep", "by hand, batched", "<= 1.2"),
+            ("sweep", "by hand, prefix reuse", ""),
+            ("attribution", "attribution by hand", ""),
+            ("loop of jitted plant calls", "sweep", ""),
+        ],
+    )
 
     # The persistent compilation cache: a fresh process's first sweep, twice.
     with tempfile.TemporaryDirectory() as cache:

@@ -28,6 +28,11 @@ class Plan:
     axes: tuple  # ((key, ((name, axis), ...)), ...): each site's
     sizes: tuple  # ((key, (size per axis, ...)), ...)
 
+    def base_and_other(self, clean, corrupted) -> tuple:
+        """The arguments of the run patched into (the base run), and of the other run: the
+        corrupted run is the base in `"denoising"`, the clean run otherwise."""
+        return (corrupted, clean) if self.mode == "denoising" else (clean, corrupted)
+
 
 class Runs:
     """The clean and corrupted runs: `runs(clean, corrupted) -> ((metric, values), (metric,
@@ -77,12 +82,13 @@ class Runs:
             for k in keys
             if k in clean_ran or k in corrupted_ran
         }
+        base, _ = plan.base_and_other(clean, corrupted)
         if plan.mode == "denoising":
-            base, base_values, source = corrupted, corrupted_values, clean_values
+            base_values, source = corrupted_values, clean_values
         elif plan.mode == "noising":
-            base, base_values, source = clean, clean_values, corrupted_values
+            base_values, source = clean_values, corrupted_values
         else:
-            base, base_values = clean, clean_values
+            base_values = clean_values
             source = ablation(plan.mode, clean_values, plan.examples, plan.seed)
         pick = lambda values: {k: values[k] for k in keys}  # noqa: E731
         metrics = (clean_metric, corrupted_metric, ran)

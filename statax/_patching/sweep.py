@@ -89,12 +89,12 @@ def sweep(
             averages over and `"resample"` shuffles (a site stacked by a `scan` over layers
             outside a `vmap` has the layers first: `examples=1`).
         batch_size: how many patches run at once (memory grows with it).
-        reuse: start each patch from the base run: the run before a site, which no patch
-            there can change, is computed once a sweep, and each patch runs only what depends
-            on the patched value, through one program per site. A site whose patch reaches
-            the whole program (inside a `scan` over layers) runs in the one program all
-            patches run with `reuse=False`, which compiles less (see "Patching
-            experiments").
+        reuse: start each patch from the base run: the two runs run once a sweep, a chunk
+            holds one site's patches, and each site the program reaches before the patched
+            one takes its base value instead of computing it (one program still: each site
+            is a `cond`). A site inside a loop (a `scan` over layers) is patched as with
+            `reuse=False`, which runs the whole model for every patch (see "Patching
+            experiments"); the results are the same either way.
         patch_sharding: a sharding of one axis over devices (`NamedSharding(mesh, P("p"))`):
             each chunk's patches are split over them (`batch_size` a multiple of their
             number). The inputs keep their own sharding either way.
@@ -123,26 +123,20 @@ def sweep(
     runs = Runs(fn, metric, at)
     # The fast path of a one-program sweep (attribution): the program the last such sweep ran
     # starts before the trace, and its result is kept where the trace is that sweep's.
-    asked = (
-        method,
-        repr(sites),
-        repr(axes),
-        mode,
-        examples,
-        seed,
-        kind_of((clean, corrupted), {}),
-    )
-    guess, early = _LAST.get(asked, (None, None, None, None))[3], None
-    if (
-        method == "attribution"
-        and _fastpaths.on
-        and _LAST.get(asked, (None,) * 3)[:3]
-        == (
-            fn,
-            metric,
-            at,
+    asked = guess = early = None
+    if method == "attribution" and _fastpaths.on:
+        asked = (
+            method,
+            repr(sites),
+            repr(axes),
+            mode,
+            examples,
+            seed,
+            kind_of((clean, corrupted), {}),
         )
-    ):
+        last = _LAST.get(asked)
+        if last is not None and last[0] is fn and last[1] is metric and last[2] == at:
+            guess = last[3]
         if guess is not None and guess.startable():
             early = guess.run((clean, corrupted), {})  # (dispatched: it runs as the host traces)
     made, (clean_values, corrupted_values) = runs.shapes(clean, corrupted)  # (traced, not run)
@@ -170,9 +164,10 @@ def sweep(
         traced = kept.get() or kept.put(
             _PROGRAMS.traced(_attribution(runs, plan, clean_values), clean, corrupted)
         )
-        _LAST[asked] = (fn, metric, at, traced)
-        while len(_LAST) > 8:
-            del _LAST[next(iter(_LAST))]
+        if asked is not None:
+            _LAST[asked] = (fn, metric, at, traced)
+            while len(_LAST) > 8:
+                del _LAST[next(iter(_LAST))]
         if early is not None and traced is guess:
             values, (clean_metric, corrupted_metric, ran) = traced.unflatten(early)
         else:
@@ -266,7 +261,7 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, r
             )
         base_values, source, metrics = programs.prepare(clean, corrupted)
         checks.check_ran(metrics[2])
-        base = corrupted if plan.mode == "denoising" else clean
+        base, _ = plan.base_and_other(clean, corrupted)
     # The patches, a chunk at a time (the last of each site's padded: one compiled shape); with
     # `reuse`, a chunk holds one site's patches (its run before the site is skipped).
     patches = [(s, i) for s, key in enumerate(plan.keys) for i in range(math.prod(sizes[key]))]
@@ -318,44 +313,46 @@ def _prepared(runs: Runs, plan: Plan, clean, corrupted):
     return base_values, source, metrics
 
 
-def _reuse_program(runs: Runs, plan: Plan):
-    """The compiled program of a chunk of one site's patches, from the base run: `(site,
-    indices, base, base values, sources) -> metrics`. Every site is planted with a `Switch`
-    that knows the base run's value there: a site before the patched one (which `site`, not
-    batched, says) is computed, the patched one and those after it that the program reaches
-    before them run from the base run's values, and `sinking.sink` moves what computes a value
-    into the branch that needs it, so that the run before the patched site is skipped."""
+def _patched(runs: Runs, plan: Plan):
+    """The metric of one patch: `(site, flat index, base arguments, sources, base values) ->
+    metric`, every site planted with a `Switch`, on where the patch is its own; given the base
+    values (`reuse`), each `Switch` knows the base run's value there and whether the patch is
+    at a later site (see `Switch`)."""
     planted = plant(runs.fn, at=runs.at)
     axes, sizes = {k: dict(a) for k, a in plan.axes}, dict(plan.sizes)
 
-    def one(site, flat_index, base, base_values, source):
+    def one(site, flat_index, base, source, base_values=None):
         values = {}
         for s, key in enumerate(plan.keys):
             index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
             masks = jax.tree.map(lambda leaf: mask(leaf, axes[key], index), source[key])
-            values[key] = Switch(site == s, masks, source[key], base_values[key], site > s)
+            known = () if base_values is None else (base_values[key], site > s)
+            values[key] = Switch(site == s, masks, source[key], *known)
         return metric_of(runs.metric, planted(values, *base))
 
-    return jax.vmap(one, in_axes=(None, 0, None, None, None))
+    return one
+
+
+def _reuse_program(runs: Runs, plan: Plan):
+    """The compiled program of a chunk of one site's patches, from the base run: `(site,
+    indices, base, base values, sources) -> metrics`. A site before the patched one (which
+    `site`, not batched, says) is computed; the patched one and those before it take the base
+    run's values, and `sinking.sink` moves what computes a value into the branch that needs
+    it, so that the run before the patched site is skipped."""
+    one = _patched(runs, plan)
+
+    def run(site, indices, base, base_values, source):
+        chunk = lambda i: one(site, i, base, source, base_values)  # noqa: E731
+        return jax.vmap(chunk)(indices)
+
+    return run
 
 
 def _patch_program(runs: Runs, plan: Plan):
     """The compiled program of a chunk: `(sites, indices, clean, corrupted) -> (metrics, clean
     metric, corrupted metric)`. The two runs are computed once per chunk (nothing in them
-    depends on the patch); every site is planted with a `Switch`, on where the patch is its
-    own."""
-    planted = plant(runs.fn, at=runs.at)
-    axes = {k: dict(a) for k, a in plan.axes}
-    sizes = dict(plan.sizes)
-
-    def one(site, flat_index, base, source):
-        values = {}
-        for s, key in enumerate(plan.keys):
-            index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-            site_axes = axes[key]
-            masks = jax.tree.map(lambda leaf: mask(leaf, site_axes, index), source[key])
-            values[key] = Switch(site == s, masks, source[key])
-        return metric_of(runs.metric, planted(values, *base))
+    depends on the patch)."""
+    one = _patched(runs, plan)
 
     def run(sites, indices, clean, corrupted):
         base, _, source, metrics = runs.prepared(plan, clean, corrupted)
@@ -373,7 +370,7 @@ def _attribution(runs: Runs, plan: Plan, shapes: dict):
     axes = {k: dict(a) for k, a in plan.axes}
 
     def first_order(clean, corrupted):
-        base, other = (corrupted, clean) if plan.mode == "denoising" else (clean, corrupted)
+        base, other = plan.base_and_other(clean, corrupted)
         zeros = {
             k: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[k]) for k in plan.keys
         }
@@ -389,8 +386,9 @@ def _attribution(runs: Runs, plan: Plan, shapes: dict):
             other_metric, source, other_ran = run_of(runs.metric, *runs.pulled(*other))
             ran = {k: ran.get(k, True) & other_ran.get(k, True) for k in {*ran, *other_ran}}
         else:
-            other_metric = None if corrupted is None else runs.pulled(*corrupted)[0]
-            other_metric = None if other_metric is None else metric_of(runs.metric, other_metric)
+            other_metric = (
+                None if corrupted is None else metric_of(runs.metric, runs.pulled(*corrupted)[0])
+            )
             source = ablation(plan.mode, base_values, plan.examples, plan.seed)
         out = {}
         for key in plan.keys:
