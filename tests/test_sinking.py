@@ -129,34 +129,53 @@ def test_random_chains_compute_what_they_computed(seed):
         check(program, jnp.int32(site), x, given)
 
 
-def test_a_sweep_with_reuse_runs_no_layer_outside_the_conds_that_skip_it():
-    """An unrolled model whose every layer's output is a site: with `reuse`, each layer's work
-    is inside the `cond` of the site after it, so a patch at site `s` runs layers `s+1...` only;
-    without, every layer runs for every patch."""
+@pytest.mark.parametrize("layers", ["unrolled", "scan", "reversed scan"])
+def test_a_sweep_with_reuse_runs_no_layer_outside_the_conds_that_skip_it(layers):
+    """A model whose every layer has two sites (`mid`, `resid`), unrolled or stacked by a
+    `scan` (its rows patched one at a time): with `reuse`, each layer's work is inside the
+    `cond` of the site after it (in a scan, that row's), so a patch runs only what comes after
+    it; without, every layer runs for every patch. (A `cond` batched by the chunk's `vmap`
+    would be a select, its work outside.)"""
     from statax._patching import runs as sweep_runs
     from statax._patching import sweep as sweeping
 
+    def block(h, w):
+        h = stx.save_inter(jnp.sin(h) * 2, name="mid")
+        return stx.save_inter(jnp.tanh(h @ w), name="resid")
+
     def model(x, ws):
-        for w in ws:
-            x = stx.save_inter(jnp.tanh(x @ w), name="resid")
-        return x
+        if layers == "unrolled":
+            for w in ws:
+                x = block(x, w)
+            return x
+        body = lambda h, w: (block(h, w), None)  # noqa: E731
+        return jax.lax.scan(body, x, ws, reverse=layers == "reversed scan")[0]
 
     x, ws = jnp.ones((2, 3)), jnp.ones((4, 3, 3)) / 3
     runs = sweep_runs.Runs(model, lambda out: jnp.sum(out, axis=-1), None)
     _, (shapes, _) = runs.shapes((x, ws), None)
     keys = tuple(shapes)
+    rows = layers != "unrolled"  # (each row of a stacked site is patched apart)
     plan = sweep_runs.Plan(
-        "zero", 0, 0, keys, tuple((k, ()) for k in keys), tuple((k, ()) for k in keys)
+        "zero",
+        0,
+        0,
+        keys,
+        tuple((k, (("layer", 0),) if rows else ()) for k in keys),
+        tuple((k, (4,) if rows else ()) for k in keys),
+        tuple(range(len(keys))),
     )
-    values = {k: jnp.zeros(s.shape) for k, s in shapes.items()}
+    values = {k: jnp.ones(s.shape) for k, s in shapes.items()}
     program = sweeping._reuse_program(runs, plan)
-    args = (jnp.int32(0), jnp.zeros((1,), jnp.int32), (x, ws), values, values)
+    args = (jnp.int32(0), jnp.zeros((2,), jnp.int32), (x, ws), values, values)
     closed = jax.make_jaxpr(program)(*args)
-    assert outside(closed, "tanh") == 4
-    assert outside(sink(closed), "tanh") == 0
-    for site in range(4):  # and it computes what it computed
-        args = (jnp.int32(site), *args[1:])
-        flat = jax.tree.leaves(args)
-        np.testing.assert_allclose(
-            jex.jaxpr_as_fun(sink(closed))(*flat)[0], jex.jaxpr_as_fun(closed)(*flat)[0]
-        )
+    count = 4 if layers == "unrolled" else 1
+    assert outside(closed, "tanh") == outside(closed, "sin") == count
+    assert outside(sink(closed), "tanh") == outside(sink(closed), "sin") == 0
+    for site in range(len(keys)):  # and it computes what it computed
+        for chunk in ([0, 1], [2, 3], [3, 0]) if rows else ([0, 0],):
+            args = (jnp.int32(site), jnp.asarray(chunk, jnp.int32), *args[2:])
+            flat = jax.tree.leaves(args)
+            np.testing.assert_allclose(
+                jex.jaxpr_as_fun(sink(closed))(*flat)[0], jex.jaxpr_as_fun(closed)(*flat)[0]
+            )

@@ -40,9 +40,11 @@ def other_layer(h, w):  # a `cond`'s other branch
 
 
 class Layered:
-    """A random model: `layers` layers, unrolled or in a `scan`, over examples handled by a
-    `vmap` inside the function or by broadcasting, under a `jit` or not, each layer a `cond`
-    on its input or not."""
+    """A random model: `layers` layers, unrolled or in a `scan` (its rows run in order or
+    reversed), over examples handled by a `vmap` inside the function or by broadcasting, under
+    a `jit` or not, each layer a `cond` on its input or not, each layer's input a site
+    (`"inp"`) beside its output (`"resid"`) or not; the sites in program order, or listed to
+    the sweep in a shuffled order."""
 
     def __init__(self, seed):
         rng = np.random.default_rng(seed)
@@ -66,6 +68,8 @@ class Layered:
         self.axes = {n: names.index(n) for n in chosen}
         self.names = names
         self.cond = bool(rng.random() < 0.5)
+        self.reverse, self.inputs, self.shuffled = (bool(rng.random() < 0.5) for _ in range(3))
+        self.order = rng.permutation(2 * self.layers)  # (of the sites, where shuffled)
 
     def step(self, h, w):
         """One layer, in the model: a `cond` on the sum of its input (an example's under the
@@ -81,59 +85,85 @@ class Layered:
         total = jnp.sum(h, axis=(-2, -1), keepdims=True) if self.vmap else jnp.sum(h)
         return jnp.where(total > 0, layer(h, w), other_layer(h, w))
 
+    def block(self, h, w):
+        if self.inputs:
+            h = stx.save_inter(h, name="inp")
+        return stx.save_inter(self.step(h, w), name="resid")
+
     def __call__(self, x, ws):
         def one(x):
-            if self.scan:
-                body = lambda h, w: (stx.save_inter(self.step(h, w), name="resid"), None)  # noqa: E731
-                x, _ = jax.lax.scan(body, x, ws)
+            if self.scan:  # (reversed: the first row to run is the last, and takes ws[0])
+                body = lambda h, w: (self.block(h, w), None)  # noqa: E731
+                x, _ = jax.lax.scan(body, x, ws[::-1] if self.reverse else ws, reverse=self.reverse)
             else:
                 for i in range(self.layers):
-                    x = stx.save_inter(self.step(x, ws[i]), name="resid")
+                    x = self.block(x, ws[i])
             return jnp.sum(x, axis=(-2, -1))
 
         f = jax.vmap(one) if self.vmap else one
         return (jax.jit(f) if self.jit else f)(x)
 
     def by_hand(self, x, patch=None):
-        """The layers' outputs `(layers, examples, positions, features)` and the metric, with
-        `patch = (layers, mask, source)` replacing, after each layer in `layers`, the values
-        `mask` selects with the source's (`source`: the layers' outputs of another run)."""
-        h, outs = x, []
+        """Each site's values by layer `{"inp": (layers, examples, positions, features),
+        "resid": ...}` and the metric, with `patch = (name, layers, mask, source)` replacing,
+        at `name` in each layer in `layers`, the values `mask` selects with the source's
+        (`source`: that name's values by layer in another run)."""
+        h, outs = x, {"inp": [], "resid": []}
         for i in range(self.layers):
-            h = self.step_by_hand(h, self.ws[i])
-            if patch is not None and i in patch[0]:
-                h = jnp.where(patch[1], patch[2][i], h)
-            outs.append(h)
-        return jnp.stack(outs), jnp.mean(jnp.sum(h, axis=(-2, -1)))
+            for name in ("inp", "resid"):
+                if name == "resid":
+                    h = self.step_by_hand(h, self.ws[i])
+                if patch is not None and patch[0] == name and i in patch[1]:
+                    h = jnp.where(patch[2], patch[3][i], h)
+                outs[name].append(h)
+        return {k: jnp.stack(v) for k, v in outs.items()}, jnp.mean(jnp.sum(h, axis=(-2, -1)))
+
+    def sites(self) -> list:
+        """The sites, in program order."""
+        names = ["inp", "resid"] if self.inputs else ["resid"]
+        if self.scan:
+            return [f"{n}_0" for n in names]
+        return [f"{n}_{i}" for i in range(self.layers) for n in names]
+
+    def asked(self):
+        """`sites=`: None (every site, in program order), or the sites shuffled."""
+        if not self.shuffled:
+            return None
+        sites = self.sites()
+        return [sites[i] for i in self.order if i < len(sites)]
 
     def expected(self, result):
         """Every patch's metric, by hand, shaped as the sweep's result."""
         clean, _ = self.by_hand(self.clean)
         corrupted, _ = self.by_hand(self.corrupted)
         base = self.corrupted if self.mode == "denoising" else self.clean
+        shift = 1 + int(np.random.default_rng(0).integers(self.examples - 1))
         source = {
-            "denoising": clean,
-            "noising": corrupted,
-            "zero": jnp.zeros_like(clean),
-            "mean": jnp.broadcast_to(jnp.mean(clean, axis=1, keepdims=True), clean.shape),
-            # another example's: the examples rolled by a seeded shift (as sweep documents)
-            "resample": jnp.roll(
-                clean, 1 + int(np.random.default_rng(0).integers(self.examples - 1)), axis=1
+            "denoising": lambda name: clean[name],
+            "noising": lambda name: corrupted[name],
+            "zero": lambda name: jnp.zeros_like(clean[name]),
+            "mean": lambda name: jnp.broadcast_to(
+                jnp.mean(clean[name], axis=1, keepdims=True), clean[name].shape
             ),
+            # another example's: the examples rolled by a seeded shift (as sweep documents)
+            "resample": lambda name: jnp.roll(clean[name], shift, axis=1),
         }[self.mode]
         out = {}
         for site in result.sites:
-            layers = range(self.layers) if self.scan else [int(site.rsplit("_", 1)[1])]
+            name, occurrence = site.rsplit("_", 1)
+            layers = range(self.layers) if self.scan else [int(occurrence)]
             values = np.zeros(result[site].shape)
             for index in np.ndindex(*values.shape):
                 at = dict(zip(self.axes, index))
-                picked = [at["layer"]] if "layer" in at else layers
+                picked = layers
+                if "layer" in at:  # (the row of a reversed scan is the layer from the end)
+                    picked = [self.layers - 1 - at["layer"] if self.reverse else at["layer"]]
                 mask = np.ones((self.examples, self.positions, self.features), bool)
-                for axis, name in enumerate(["example", "position", "feature"]):
-                    if name in at:
-                        keep = np.arange(mask.shape[axis]) == at[name]
+                for axis, n in enumerate(["example", "position", "feature"]):
+                    if n in at:
+                        keep = np.arange(mask.shape[axis]) == at[n]
                         mask &= keep.reshape([-1 if a == axis else 1 for a in range(3)])
-                values[index] = self.by_hand(base, (picked, mask, source))[1]
+                values[index] = self.by_hand(base, (name, picked, mask, source(name)))[1]
             out[site] = values
         return out
 
@@ -145,6 +175,7 @@ def check_layered(seed):
         lambda out: out,
         (model.clean, model.ws),
         (model.corrupted, model.ws),
+        sites=model.asked(),
         axes=model.axes,
         mode=model.mode,
         examples=model.names.index("example"),
@@ -152,9 +183,7 @@ def check_layered(seed):
         progress=False,
     )
     want = model.expected(result)
-    assert list(result.sites) == (
-        ["resid_0"] if model.scan else [f"resid_{i}" for i in range(model.layers)]
-    )
+    assert list(result.sites) == (model.asked() or model.sites())
     for site in result.sites:
         np.testing.assert_allclose(result[site], want[site], rtol=1e-4, atol=1e-4, err_msg=site)
 

@@ -17,7 +17,7 @@ from .._jax import jaxprs as _jaxprs
 from . import batching as _batching  # noqa: F401  (installs the batching rules records ask for)
 from . import context as _context
 from .marks import eqn_saves, find_saves, selecting
-from .meta import StateMeta
+from .meta import LoopPlace, StateMeta
 from .primitive import COLLECTING, IDLE, INERT, INPUT, save_inter_p
 from .registry import Exposer, Handler, Rewrite, Rewritten, on_forget, register_handler
 from .rewrite import call_equation, pull_open_jaxpr, without_save_effect
@@ -84,16 +84,27 @@ def mark(leaves: Sequence, metas: Sequence[StateMeta]) -> None:
         save_inter_p.bind(*part, meta=meta, status=COLLECTING)
 
 
-def take(metas: Sequence[StateMeta], avals: Sequence, step: Callable | None = None) -> list:
+def take(
+    metas: Sequence[StateMeta],
+    avals: Sequence,
+    step: Callable | None = None,
+    loop: tuple | None = None,
+) -> list:
     """Values fed in from outside (flat leaves of `avals`, described by `metas`): in an exposer,
     what the primitive's rewritten jaxprs take in; in a planted mark, its replacement. The
     inverse of `mark`: each binds a placeholder mark that the walk turns into an input.
 
     A loop's handler passes `step`, a function of a meta and an aval giving its iteration index
     of that type: a planted mark whose hook is given the step (`StateMeta.stepped`) then takes that
-    leaf from the loop, not from outside (see `set_steps`)."""
+    leaf from the loop, not from outside (see `set_steps`). Each mark taken in records the loop
+    (`StateMeta.loops`): with `loop`, `(length, reverse)` of a `scan` whose planted values are
+    rows, one per iteration (a `LoopPlace`); without, a loop whose values serve every
+    iteration."""
     leaves: list = []
-    for meta, part in zip(metas, split_leaves(avals, metas), strict=True):
+    for j, (meta, part) in enumerate(zip(metas, split_leaves(avals, metas), strict=True)):
+        if step is not None:
+            place = None if loop is None else LoopPlace(*loop, j, len(metas))
+            meta = dataclasses.replace(meta, loops=(place, *meta.loops))
         if meta.stepped and step is not None:
             *part, last = part
             leaves.extend(take([unstepped(meta)], part) + [step(meta, last)])

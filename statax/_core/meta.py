@@ -19,6 +19,7 @@ __all__ = [
     "GRAD",
     "RAN",
     "KeyName",
+    "LoopPlace",
     "share_taps",
     "tap_root",
     "StateMeta",
@@ -28,6 +29,13 @@ __all__ = [
     "keys_of",
     "split",
 ]
+
+
+class LoopPlace(collections.namedtuple("LoopPlace", "length reverse index count")):
+    """Where a planted mark is in a `scan` that gives it one planted value per row
+    (`StateMeta.loops`): the scan's `length`, whether its rows run in `reverse`, and the
+    mark's place among the `count` marks its body takes values in for (`index`: their order
+    in one iteration, which is program order)."""
 
 
 class _ArraySlot:
@@ -140,6 +148,9 @@ class StateMeta:
         stepped: for what a planted mark takes in, whether its last leaf is the iteration
             index of the innermost loop around it (a hook of its name has a `step` parameter):
             that loop's handler gives it (`exposers.take`), and outside any loop it is 0.
+        loops: for what a planted mark takes in, the loops around it that took its step
+            (`exposers.take`), outermost first: a `LoopPlace` for a `scan` (whose rows are its
+            iterations), `None` for another loop (a planted value used in every iteration).
     """
 
     name: str
@@ -156,6 +167,7 @@ class StateMeta:
     moves: tuple = ()
     failed: tuple = ()
     stepped: bool = False
+    loops: tuple = ()
 
     @property
     def planted_as(self) -> str:

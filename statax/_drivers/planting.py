@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.errors import PlantError
+from .._core.exposers import split_leaves
 from .._core.meta import ARRAY, KeyName, StateMeta, keys_of, kind_str, kinds_str, unwrap
 from .._core.primitive import INPUT, save_inter_p
 from .._jax import tracing as _tracing
@@ -51,18 +52,25 @@ class Switch:
     runs: one patch of many, chosen at run time).
 
     With `base` (the base run's value here, of the value's structure) and `after` (traced:
-    the patch is at a later mark), a mark the program runs once (in no loop) needs its value
-    only where neither `on` nor `after` is: elsewhere it is `base` with the replacement where
-    `on` and `mask` are, and the mark becomes a `cond` whose other branch is the value, so
-    that `sinking.sink` can move what computes it in there. (Under a `vmap` inside, where the
-    choice is per example, the `cond` is batched into a select: the same values, nothing
-    skipped.)"""
+    the patch is at a mark later in program order), a mark the program runs once (in no loop)
+    needs its value only where neither `on` nor `after` is: elsewhere it is `base` with the
+    replacement where `on` and `mask` are, and the mark becomes a `cond` whose other branch is
+    the value, so that `sinking.sink` can move what computes it in there. (Under a `vmap`
+    inside, where the choice is per example, the `cond` is batched into a select: the same
+    values, nothing skipped.)
+
+    In a `scan` (one loop around it, `StateMeta.loops`), each row (iteration) of a mark is
+    such a `cond`: it takes the base run's row where no mark of the body ran before it with
+    the patch in it (`_loop_skips`). `reach` says where the patch may be (a mask as `mask`
+    is, not batched: what a chunk of patches covers), so that the rows skipped are one
+    number for the whole chunk: a `cond`, not a select."""
 
     on: Any
     mask: Any
     value: Any
     base: Any = None
     after: Any = None
+    reach: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +272,9 @@ def feed(
             )
     out = []
     start = 0
-    for key, meta in zip(keys, ins, strict=True):
+    specs = [values[k] if k in values else values.get(m.planted_as) for k, m in zip(keys, ins)]
+    in_loops = _loop_skips(ins, avals, specs)
+    for j, (key, meta) in enumerate(zip(keys, ins, strict=True)):
         leaf_avals = avals[start : start + meta.num_arrays]
         start += meta.num_arrays
         choice_aval, value_avals = leaf_avals[0], leaf_avals[1:]
@@ -275,18 +285,20 @@ def feed(
         if planting.masked:  # (the masks after the values)
             half = len(value_avals) // 2
             value_avals, mask_avals = value_avals[:half], value_avals[half:]
-        spec = values[key] if key in values else values.get(meta.planted_as)
+        spec = specs[j]
         code, replacement = KEEP, None
         if isinstance(spec, Switch):
             masks = [jnp.broadcast_to(m, a.shape) for m, a in zip(_leaves(spec.mask), mask_avals)]
             replacement = spec.value
-            if spec.base is not None and meta.stepped:
+            if spec.base is not None and (meta.stepped or j in in_loops):
                 # A mark outside every loop (a loop takes its step leaf in: `exposers.take`)
                 # runs once, after everything before it in program order: where the patch is
-                # here or later, what runs before it is the base run, and so is its value.
+                # here or later, what runs before it is the base run, and so is its value. In
+                # a scan, row by row (`_loop_skips`).
                 on = jnp.asarray(spec.on)
-                skip = jnp.broadcast_to(on | spec.after, choice_aval.shape)
-                out.append(jnp.where(skip, SKIP, KEEP).astype(np.int32))
+                skip = in_loops[j] if j in in_loops else on | spec.after
+                skip = jnp.broadcast_to(skip, choice_aval.shape)
+                out.append(jnp.where(skip, SKIP, jnp.where(on, REPLACE, KEEP)).astype(np.int32))
                 replacement = jax.tree.map(
                     lambda m, v, b: jnp.where(on & m, v, b), spec.mask, spec.value, spec.base
                 )
@@ -314,6 +326,71 @@ def feed(
         out.extend(np.ones(a.shape, bool) for a in mask_avals)
         out.extend(np.zeros(a.shape, a.dtype) for a in step_avals)
     return out
+
+
+def _loop_skips(ins, avals, specs) -> dict:
+    """For the marks of a `scan`'s body planted with a `Switch` that knows the base run (one
+    loop around them: `StateMeta.loops`), by their index in `ins`: per row, whether the mark
+    may take the base run's value there, shaped to broadcast to its choice.
+
+    The rows run in order (or reversed), and in each the body's marks in program order. Where
+    the patch is in this body, a mark may skip up to the first mark and row the chunk's
+    patches reach (`Switch.reach`), that one included; where it is elsewhere, every row or
+    none, as `Switch.after` says."""
+    parts = split_leaves(avals, ins)
+    out, i = {}, 0
+    while i < len(ins):
+        place = _place(ins[i])
+        group = range(i, i + (place.count if place is not None else 1))
+        i = group.stop
+        if place is None or place.index or group.stop > len(ins):
+            continue
+        if any(
+            _place(ins[j]) != place._replace(index=j - group.start)
+            or not isinstance(specs[j], Switch)
+            or specs[j].base is None
+            or len(parts[j][0].shape) <= ins[j].batch_ndim
+            or parts[j][0].shape[ins[j].batch_ndim] != place.length
+            for j in group
+        ):
+            continue  # (a mark without a base run's value: every row is computed)
+        rows = jnp.arange(place.length)
+        done = place.length - 1 - rows if place.reverse else rows  # (how many rows ran before)
+        order = {j: done * place.count + j - group.start for j in group}
+        first = place.length * place.count
+        patched = jnp.zeros((), bool)
+        for j in group:
+            on = jnp.asarray(specs[j].on)
+            reached = on & _rows_reached(specs[j], ins[j].batch_ndim, place.length)
+            first = jnp.minimum(first, jnp.min(jnp.where(reached, order[j], first)))
+            patched = patched | on
+        for j in group:
+            skip = jnp.where(patched, order[j] <= first, specs[j].after)
+            shape = [1] * len(parts[j][0].shape)
+            shape[ins[j].batch_ndim] = place.length
+            out[j] = skip.reshape(shape)
+    return out
+
+
+def _place(meta: StateMeta):
+    """The scan a planted mark is in, where it is in one loop and that loop is a `scan`."""
+    return meta.loops[0] if len(meta.loops) == 1 else None
+
+
+def _rows_reached(spec: Switch, axis: int, length: int) -> jax.Array:
+    """The rows (along the loop's `axis`) where `spec.reach` is true anywhere: every row where
+    it is not given."""
+    if spec.reach is None:
+        return jnp.ones(length, bool)
+    rows = jnp.zeros(length, bool)
+    for leaf in _leaves(spec.reach):
+        leaf = jnp.asarray(leaf)
+        if leaf.ndim <= axis:
+            rows = rows | jnp.any(leaf)
+        else:
+            others = tuple(a for a in range(leaf.ndim) if a != axis)
+            rows = rows | jnp.any(leaf, axis=others)
+    return rows
 
 
 def _switched(spec: Switch, choice_aval) -> jax.Array:

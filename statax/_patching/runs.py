@@ -27,6 +27,7 @@ class Plan:
     keys: tuple
     axes: tuple  # ((key, ((name, axis), ...)), ...): each site's
     sizes: tuple  # ((key, (size per axis, ...)), ...)
+    ranks: tuple  # each key's place in program order (the order `keys` has is the user's)
 
     def base_and_other(self, clean, corrupted) -> tuple:
         """The arguments of the run patched into (the base run), and of the other run: the

@@ -156,6 +156,7 @@ def sweep(
         tuple(keys),
         tuple((k, tuple(a.items())) for k, a in site_axes.items()),
         tuple(sizes.items()),
+        tuple(list(clean_values).index(k) for k in keys),
     )
 
     lowered = None
@@ -314,23 +315,40 @@ def _prepared(runs: Runs, plan: Plan, clean, corrupted):
 
 
 def _patched(runs: Runs, plan: Plan):
-    """The metric of one patch: `(site, flat index, base arguments, sources, base values) ->
-    metric`, every site planted with a `Switch`, on where the patch is its own; given the base
-    values (`reuse`), each `Switch` knows the base run's value there and whether the patch is
-    at a later site (see `Switch`)."""
+    """`(one, reached)`. `one`, the metric of one patch: `(site, flat index, base arguments,
+    sources, base values, reach) -> metric`, every site planted with a `Switch`, on where the
+    patch is its own; given the base values (`reuse`), each `Switch` knows the base run's value
+    there, whether the patch is at a site later in program order (`sites=` may list them in
+    any order) and where a chunk's patches may be (`reach`, from `reached`: see `Switch`)."""
     planted = plant(runs.fn, at=runs.at)
     axes, sizes = {k: dict(a) for k, a in plan.axes}, dict(plan.sizes)
 
-    def one(site, flat_index, base, source, base_values=None):
+    def masks(key, flat_index, source):
+        index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
+        return jax.tree.map(lambda leaf: mask(leaf, axes[key], index), source[key])
+
+    def one(site, flat_index, base, source, base_values=None, reach=None):
         values = {}
+        rank = jnp.asarray(plan.ranks)[site]  # (the patched site's place in program order)
         for s, key in enumerate(plan.keys):
-            index = jnp.unravel_index(flat_index, sizes[key]) if sizes[key] else ()
-            masks = jax.tree.map(lambda leaf: mask(leaf, axes[key], index), source[key])
-            known = () if base_values is None else (base_values[key], site > s)
-            values[key] = Switch(site == s, masks, source[key], *known)
+            known = ()
+            if base_values is not None:
+                known = (base_values[key], rank > plan.ranks[s], reach[key])
+            values[key] = Switch(site == s, masks(key, flat_index, source), source[key], *known)
         return metric_of(runs.metric, planted(values, *base))
 
-    return one
+    def reached(site, indices, source):
+        """Where a chunk of one site's patches (`indices`, not batched) may patch: per site,
+        the union of their masks there (none but at `site`)."""
+        return {
+            key: jax.tree.map(
+                lambda m: (site == s) & jnp.any(m, axis=0),
+                jax.vmap(lambda i, key=key: masks(key, i, source))(indices),
+            )
+            for s, key in enumerate(plan.keys)
+        }
+
+    return one, reached
 
 
 def _reuse_program(runs: Runs, plan: Plan):
@@ -339,10 +357,11 @@ def _reuse_program(runs: Runs, plan: Plan):
     `site`, not batched, says) is computed; the patched one and those before it take the base
     run's values, and `sinking.sink` moves what computes a value into the branch that needs
     it, so that the run before the patched site is skipped."""
-    one = _patched(runs, plan)
+    one, reached = _patched(runs, plan)
 
     def run(site, indices, base, base_values, source):
-        chunk = lambda i: one(site, i, base, source, base_values)  # noqa: E731
+        reach = reached(site, indices, source)  # (one for the chunk: a scan skips rows)
+        chunk = lambda i: one(site, i, base, source, base_values, reach)  # noqa: E731
         return jax.vmap(chunk)(indices)
 
     return run
@@ -352,7 +371,7 @@ def _patch_program(runs: Runs, plan: Plan):
     """The compiled program of a chunk: `(sites, indices, clean, corrupted) -> (metrics, clean
     metric, corrupted metric)`. The two runs are computed once per chunk (nothing in them
     depends on the patch)."""
-    one = _patched(runs, plan)
+    one, _ = _patched(runs, plan)
 
     def run(sites, indices, clean, corrupted):
         base, _, source, metrics = runs.prepared(plan, clean, corrupted)

@@ -80,7 +80,7 @@ def _scan_exposer(*args, **eqn_params):
         mark(leaves, marked)
         return outs
     # Planted values: one per iteration, as extra xs.
-    planted = _planted_stacked(ins, body.in_avals[len(args) :], parts.length)
+    planted = _planted_stacked(ins, body.in_avals[len(args) :], parts.length, parts.reverse)
     if not any(reductions.running(m) for m in metas):
         new_params = params.scan_params(eqn_params, parts._replace(jaxpr=body))
         flat = scan_p.bind(*args, *planted, **new_params)
@@ -152,11 +152,12 @@ def _moving(meta) -> int:
     return k
 
 
-def _planted_stacked(ins, avals, length: int) -> list:
+def _planted_stacked(ins, avals, length: int, reverse: bool) -> list:
     """The values planted in a scan's body (`ins`, one iteration's `avals`), taken in stacked,
     one row per iteration. A planted cotangent's batch axes with loops left to move past are
     given in front, as `pull` returns it; its choice (the first leaf of what a planted mark
-    takes in) is one per iteration."""
+    takes in) is one per iteration. Each records the scan (`LoopPlace`: its rows run in order,
+    or `reverse`d)."""
     avals = split_leaves(avals, ins)
     given = []
     for meta, part in zip(ins, avals, strict=True):
@@ -164,7 +165,9 @@ def _planted_stacked(ins, avals, length: int) -> list:
         for i, a in enumerate(part):
             front = a.shape[:k] if i else ()
             given.append(a.update(shape=(*front, length, *a.shape[len(front) :])))
-    taken = split_leaves(take(_stacked(ins), given, step=_rows(length)), ins)
+    taken = split_leaves(
+        take(_stacked(ins), given, step=_rows(length), loop=(length, reverse)), ins
+    )
     return [
         jnp.moveaxis(x, _moving(meta), 0) if i else x
         for meta, part in zip(ins, taken, strict=True)
