@@ -13,7 +13,9 @@ by hand in JAX.
 4. First calls: each of the above traced and compiled afresh (`jax.clear_caches()`), and what
    statax adds to compilation against compiling the model's forward pass and its `grad`
    alone; the loop of jitted `stx.plant` calls, as a figure.
-5. The persistent compilation cache: a second process's first sweep, the cache filled by a
+5. A scan over layers (the same blocks stacked): the sweep with reuse against `reuse=False`,
+   the prefix-reuse program by hand and the unrolled model's sweep, steady and first call.
+6. The persistent compilation cache: a second process's first sweep, the cache filled by a
    first (`jax_compilation_cache_dir`).
 
 Steady state is the next prompt pair of the same shapes (programs compiled before; the model a
@@ -248,25 +250,29 @@ def main():
         ],
     )
 
-    # A scan over layers (the blocks' weights stacked): no site runs once, so nothing is
-    # skipped; reuse runs the two runs once a sweep and costs what `reuse=False` costs.
+    # A scan over layers (the blocks' weights stacked), each row (layer) and position patched:
+    # with reuse, a row's patches start the loop's work at that row.
     stacked = {
         "embed": params["embed"],
         "unembed": params["unembed"],
         "blocks": jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"]),
     }
 
-    @jax.jit
-    def scanned(p, ids):
-        def body(x, w):
-            return stx.save_inter(_models.block(w, x, HEADS), name="resid"), None
+    def scan_model():
+        def scanned(p, ids):
+            def body(x, w):
+                return stx.save_inter(_models.block(w, x, HEADS), name="resid"), None
 
-        x, _ = jax.lax.scan(body, p["embed"][ids], p["blocks"])
-        return _models.norm(x) @ p["unembed"]
+            x, _ = jax.lax.scan(body, p["embed"][ids], p["blocks"])
+            return _models.norm(x) @ p["unembed"]
 
-    def scan_sweep(reuse):
+        return jax.jit(scanned)
+
+    scanned = scan_model()
+
+    def scan_sweep(fn, reuse=True):
         return stx.sweep(
-            scanned,
+            fn,
             metric,
             (stacked, clean),
             (stacked, corrupted),
@@ -276,11 +282,25 @@ def main():
             progress=False,
         )
 
-    np.testing.assert_allclose(scan_sweep(True).array()[0], exact, rtol=1e-3, atol=1e-3)
-    s = interleaved_medians({r: (lambda r=r: scan_sweep(r)) for r in (True, False)}, 3)
-    print(
-        f"  {'a scan over layers: reuse / reuse=False':<44} {s[True] / s[False]:6.2f}"
-        f"                   {s[True]:.3f} s vs {s[False]:.3f} s"
+    np.testing.assert_allclose(scan_sweep(scanned).array()[0], exact, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(scan_sweep(scanned, False).array()[0], exact, rtol=1e-3, atol=1e-3)
+    s = interleaved_medians(
+        {
+            "sweep, a scan": lambda: scan_sweep(scanned),
+            "sweep, a scan, reuse=False": lambda: scan_sweep(scanned, False),
+            "sweep": lambda: sweep(jitted),
+            "by hand, prefix reuse": prefix,
+        },
+        REPEATS,
+    )
+    print("a scan over layers, steady state:")
+    ratios(
+        s,
+        [
+            ("sweep, a scan", "sweep, a scan, reuse=False", ""),
+            ("sweep, a scan", "by hand, prefix reuse", "<= 1.1"),
+            ("sweep, a scan", "sweep", ""),
+        ],
     )
 
     # First calls: traced and compiled afresh.
@@ -330,6 +350,8 @@ def main():
         "compile the forward pass": fresh(compile_forward),
         "compile its grad": fresh(compile_grad),
         "loop of jitted plant calls": fresh(loop),
+        "sweep, a scan": fresh(lambda: scan_sweep(scan_model())),
+        "sweep, a scan, reuse=False": fresh(lambda: scan_sweep(scan_model(), False)),
     }
     f = interleaved_medians(first, max(1, REPEATS // 2), warmup=False)
     print("first calls (traced and compiled afresh):")
@@ -343,6 +365,8 @@ def main():
             ("sweep", "by hand, prefix reuse", ""),
             ("attribution", "attribution by hand", ""),
             ("loop of jitted plant calls", "sweep", ""),
+            ("sweep, a scan", "sweep", ""),
+            ("sweep, a scan", "sweep, a scan, reuse=False", ""),
         ],
     )
 

@@ -92,7 +92,9 @@ def sweep(
         reuse: start each patch from the base run: the two runs run once a sweep, a chunk
             holds one site's patches, and each site the program reaches before the patched
             one takes its base value instead of computing it (one program still: each site
-            is a `cond`). A site inside a loop (a `scan` over layers) is patched as with
+            is a `cond`). In a `scan` over layers, each row of its sites that runs before the
+            chunk's first patch does (put the layer axis first in `axes`). A site inside
+            another loop (a `while_loop`, a scan in a scan) is patched as with
             `reuse=False`, which runs the whole model for every patch (see "Patching
             experiments"); the results are the same either way.
         patch_sharding: a sharding of one axis over devices (`NamedSharding(mesh, P("p"))`):

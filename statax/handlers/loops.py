@@ -156,8 +156,7 @@ def _planted_stacked(ins, avals, length: int, reverse: bool) -> list:
     """The values planted in a scan's body (`ins`, one iteration's `avals`), taken in stacked,
     one row per iteration. A planted cotangent's batch axes with loops left to move past are
     given in front, as `pull` returns it; its choice (the first leaf of what a planted mark
-    takes in) is one per iteration. Each records the scan (`LoopPlace`: its rows run in order,
-    or `reverse`d)."""
+    takes in) is one per iteration. Each records the scan: its rows run in order or `reverse`."""
     avals = split_leaves(avals, ins)
     given = []
     for meta, part in zip(ins, avals, strict=True):
