@@ -562,6 +562,60 @@ def test_each_site_with_axes_of_its_own():
         )
 
 
+@pytest.mark.parametrize("loop", ["scan in a scan", "while_loop", "read after the loop"])
+def test_sites_in_loops_that_reuse_leaves_alone_or_reads_after_against_the_run_by_hand(loop):
+    """Loops whose rows reuse leaves alone or must not skip blindly: a site in a `scan` inside
+    a `scan` (two loops around it: computed), one in a `while_loop` (a planted value serves
+    every iteration), and a scan's site whose stacked values the function reads again after
+    the loop; each against the run written by hand with the patch in it."""
+    w = jnp.asarray(np.random.default_rng(6).normal(size=(3, 3)) / 2, jnp.float32)
+    step = lambda h: h + jnp.tanh(h @ w)  # noqa: E731
+    layer = lambda h, _: (stx.save_inter(step(h), name="h"), None)  # noqa: E731
+
+    def model(x):
+        if loop == "scan in a scan":
+            h, _ = jax.lax.scan(lambda h, _: jax.lax.scan(layer, h, None, length=2), x, None, 3)
+        elif loop == "while_loop":
+            n = jnp.int32(3) + (jnp.sum(x) > 1e9)  # (a trip count known when it runs)
+            h = jax.lax.fori_loop(0, n, lambda i, h: layer(h, None)[0], x)
+        else:
+            h, hs = jax.lax.scan(lambda h, _: (layer(h, None)[0],) * 2, x, None, length=3)
+            h = h + jnp.sum(hs, axis=0) * 0.5
+        return jnp.sum(h, axis=-1)
+
+    def by_hand(x, patch=None):
+        """`(values, metric)`: the site's values as `pull` stacks them; `patch = (row,
+        feature, source)` replaces that feature after step `row` (in a `while_loop`, after
+        every step) with the source's."""
+        steps = 3 if loop == "while_loop" else 6 if loop == "scan in a scan" else 3
+        h, hs = x, []
+        for t in range(steps):
+            h = step(h)
+            if patch is not None and patch[0] in (t, None):
+                h = h.at[:, patch[1]].set(patch[2][t if patch[0] is not None else -1][:, patch[1]])
+            hs.append(h)
+        if loop == "read after the loop":
+            h = h + jnp.sum(jnp.stack(hs), axis=0) * 0.5
+        return jnp.stack(hs), jnp.mean(jnp.sum(h, axis=-1))
+
+    rng = np.random.default_rng(7)
+    clean, corrupted = (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2))
+    axes = {
+        "scan in a scan": {"outer": 0, "inner": 1, "feature": 3},
+        "while_loop": {"feature": 1},
+        "read after the loop": {"layer": 0, "feature": 2},
+    }[loop]
+    result = stx.sweep(model, lambda out: out, (clean,), (corrupted,), axes=axes, batch_size=4)
+    (key,) = result.sites
+    source, _ = by_hand(clean)
+    want = np.zeros(result[key].shape)
+    for index in np.ndindex(*want.shape):
+        *rows, feature = index
+        row = None if not rows else rows[0] * 2 + rows[1] if len(rows) == 2 else rows[0]
+        want[index] = by_hand(corrupted, (row, feature, source))[1]
+    np.testing.assert_allclose(result[key], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_second_sweep_over_new_inputs_compiles_nothing():
     def model(x, w):
         h = stx.save_inter(jnp.tanh(x @ w), name="h")
