@@ -273,7 +273,8 @@ def main():
     ratios(a, [("attribution, 4x the batch", "attribution by hand, 4x the batch", "<= 1.05")])
 
     # A scan over layers (the blocks' weights stacked), each row (layer) and position patched:
-    # with reuse, a row's patches start the loop's work at that row.
+    # with reuse, a chunk holds one row's patches (32 of the 64 asked), and starts the loop's
+    # work at that row.
     stacked = {
         "embed": params["embed"],
         "unembed": params["unembed"],
@@ -292,7 +293,7 @@ def main():
 
     scanned = scan_model()
 
-    def scan_sweep(fn, reuse=True, batch_size=CHUNK):
+    def scan_sweep(fn, reuse=True):
         return stx.sweep(
             fn,
             metric,
@@ -300,7 +301,7 @@ def main():
             (stacked, corrupted),
             axes={"layer": 0, "position": 2},
             reuse=reuse,
-            batch_size=batch_size,
+            batch_size=CHUNK,
             progress=False,
         )
 
@@ -310,8 +311,6 @@ def main():
         {
             "sweep, a scan": lambda: scan_sweep(scanned),
             "sweep, a scan, reuse=False": lambda: scan_sweep(scanned, False),
-            # (a chunk of one layer's positions: the rows skipped are the chunk's own)
-            "sweep, a scan, a layer a chunk": lambda: scan_sweep(scanned, batch_size=POSITIONS),
             "sweep": lambda: sweep(jitted),
             "by hand, prefix reuse": prefix,
         },
@@ -323,7 +322,6 @@ def main():
         [
             ("sweep, a scan", "sweep, a scan, reuse=False", ""),
             ("sweep, a scan", "by hand, prefix reuse", "<= 1.1"),
-            ("sweep, a scan, a layer a chunk", "by hand, prefix reuse", "<= 1.1"),
             ("sweep, a scan", "sweep", ""),
         ],
     )

@@ -179,3 +179,30 @@ def test_a_sweep_with_reuse_runs_no_layer_outside_the_conds_that_skip_it(layers)
             np.testing.assert_allclose(
                 jex.jaxpr_as_fun(sink(closed))(*flat)[0], jex.jaxpr_as_fun(closed)(*flat)[0]
             )
+
+
+def test_a_sweeps_chunks_hold_one_row_of_a_site_a_scan_stacks():
+    """With reuse, a site a scan stacks (`rows`: its loop axis, of its value's axes) is swept
+    row by row: its patches sorted by row, and one row a chunk where a row's patches fill at
+    least half of one; the other sites' patches in order."""
+    from statax._patching import chunks
+    from statax._patching.runs import Plan
+
+    keys = ("emb", "resid")
+    axes = (("emb", (("position", 1),)), ("resid", (("position", 2), ("layer", 0))))
+    plan = Plan("zero", 0, 0, keys, axes, (("emb", (4,)), ("resid", (4, 3))), (0, 1))
+    rows = {"resid": (0, 4)}  # (a scan's rows along axis 0 of a 4-axis value)
+    assert chunks.size_of(plan, 8, True, False, None) == 8
+    assert chunks.size_of(plan, 8, True, False, rows) == 4  # one row: the 4 positions
+    assert chunks.size_of(plan, 16, True, False, rows) == 12  # (a row fills under half)
+    assert chunks.size_of(plan, 8, True, True, rows) == 8  # (sharded: as asked)
+    got = chunks.chunked(plan, 4, True, rows)
+    assert got[0] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    for layer, chunk in enumerate(got[1:]):  # flat index = position * 3 + layer
+        assert chunk == [(1, p * 3 + layer) for p in range(4)]
+    assert chunks.chunked(plan, 5, False, None) == [
+        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)],
+        [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5)],
+        [(1, 6), (1, 7), (1, 8), (1, 9), (1, 10)],
+        [(1, 11)],
+    ]

@@ -15,6 +15,8 @@ the replacement whole without the value (see `Switch`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Mapping
@@ -30,7 +32,7 @@ from .._core.meta import ARRAY, KeyName, StateMeta, keys_of, kind_str, kinds_str
 from .._core.primitive import INPUT, save_inter_p
 from .._jax import tracing as _tracing
 
-__all__ = ["Add", "Planting", "Switch", "feed"]
+__all__ = ["Add", "Planting", "Switch", "feed", "loop_rows"]
 
 KEEP, REPLACE, ADD, HOOK = 0, 1, 2, 3  # a choice; HOOK + j is the name's j-th hook
 SKIP = -1  # (a `Switch` with `base`) the replacement, whole, and the value not needed
@@ -273,7 +275,7 @@ def feed(
     out = []
     start = 0
     specs = [values[k] if k in values else values.get(m.planted_as) for k, m in zip(keys, ins)]
-    in_loops = _loop_skips(ins, avals, specs)
+    in_loops = _loop_skips(keys, ins, avals, specs)
     for j, (key, meta) in enumerate(zip(keys, ins, strict=True)):
         leaf_avals = avals[start : start + meta.num_arrays]
         start += meta.num_arrays
@@ -328,7 +330,24 @@ def feed(
     return out
 
 
-def _loop_skips(ins, avals, specs) -> dict:
+_FOUND: contextvars.ContextVar = contextvars.ContextVar("statax_loop_rows", default=None)
+
+
+@contextlib.contextmanager
+def loop_rows():
+    """While in force, `feed` records the planted keys whose rows a `scan`'s `cond`s skip
+    (`_loop_skips`): `{key: (axis, ndim)}`, the loop's axis in the key's value as `pull`
+    returns it, and that value's (first leaf's) number of axes. (What a sweep puts in a chunk
+    follows it: one row's patches.)"""
+    found: dict = {}
+    token = _FOUND.set(found)
+    try:
+        yield found
+    finally:
+        _FOUND.reset(token)
+
+
+def _loop_skips(keys, ins, avals, specs) -> dict:
     """For the marks of a `scan`'s body planted with a `Switch` that knows the base run (one
     loop around them: `StateMeta.loops`), by their index in `ins`: per row, whether the mark
     may take the base run's value there, shaped to broadcast to its choice.
@@ -369,6 +388,8 @@ def _loop_skips(ins, avals, specs) -> dict:
             shape = [1] * len(parts[j][0].shape)
             shape[ins[j].batch_ndim] = place.length
             out[j] = skip.reshape(shape)
+            if _FOUND.get() is not None and len(parts[j]) > 1:
+                _FOUND.get()[keys[j]] = (ins[j].batch_ndim, len(parts[j][1].shape))
     return out
 
 

@@ -25,10 +25,11 @@ from .._core import fastpaths as _fastpaths
 from .._core.errors import SweepError
 from .._core.sinking import sink
 from .._drivers.interventions import plant, planted_pull
-from .._drivers.planting import Add, Switch
+from .._drivers.planting import Add, Switch, loop_rows
 from .._drivers.programs import Programs, kind_of
 from .._monitor.optional import progress_bar
 from . import checks
+from .chunks import chunked, size_of
 from .result import SweepResult
 from .runs import Plan, Runs, ablation, mask, metric_of, run_of
 
@@ -93,7 +94,8 @@ def sweep(
             holds one site's patches, and each site the program reaches before the patched
             one takes its base value instead of computing it (one program still: each site
             is a `cond`). In a `scan` over layers, each row of its sites that runs before the
-            chunk's first patch does (put the layer axis first in `axes`). A site inside
+            chunk's first patch does (a chunk holds one row's patches where they fill at
+            least half of `batch_size`). A site inside
             another loop (a `while_loop`, a scan in a scan) is patched as with
             `reuse=False`, which runs the whole model for every patch (see "Patching
             experiments"); the results are the same either way.
@@ -254,6 +256,8 @@ class _Programs:
     reuse: bool
     prepare: Any = None
     chunk: Any = None
+    size: int | None = None  # the patches a chunk of `chunk` holds
+    rows: dict | None = None  # the sites a scan stacks (`planting.loop_rows`)
 
 
 def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, reuse):
@@ -267,47 +271,54 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, r
         base_values, source, metrics = programs.prepare(clean, corrupted)
         checks.check_ran(metrics[2])
         base, _ = plan.base_and_other(clean, corrupted)
-    # The patches, a chunk at a time (the last of each site's padded: one compiled shape); with
-    # `reuse`, a chunk holds one site's patches (its run before the site is skipped).
-    patches = [(s, i) for s, key in enumerate(plan.keys) for i in range(math.prod(sizes[key]))]
-    most = len(patches) if not reuse else max(math.prod(sizes[k]) for k in plan.keys)
-    size = batch_size if sharding is not None else max(1, min(int(batch_size), most))
-    chunks = []
-    for s, key in enumerate(plan.keys) if reuse else [(None, None)]:
-        mine = [p for p in patches if s is None or p[0] == s]
-        chunks += [mine[start : start + size] for start in range(0, len(mine), size)]
-    bar = progress_bar(
-        progress, "stx.sweep", "plot", iterable=chunks, desc="patching", unit="chunk"
-    )
-    results, lowered = [], None
-    for chunk in chunks if bar is None else bar:
+        make = functools.partial(_reuse_program, runs, plan)
+    else:
+        make = functools.partial(_patch_program, runs, plan)
+
+    def args_of(chunk, size):  # (padded with its last patch: one compiled shape)
         padded = chunk + [chunk[-1]] * (size - len(chunk))
         s = np.array([p[0] for p in padded], np.int32)
         i = np.array([p[1] for p in padded], np.int32)
         if sharding is not None:  # the chunk's patches split over devices
             s, i = jax.device_put((s, i), sharding)
-        if reuse:
-            args = (s[0], i, base, base_values, source)
-            make = functools.partial(_reuse_program, runs, plan)
-        else:
-            args = (s, i, clean, corrupted)
-            make = functools.partial(_patch_program, runs, plan)
-        if programs.chunk is None:  # traced once a sweep (or kept): every chunk runs it
-            programs.chunk = _PROGRAMS.traced(make(), *args, rewrite=sink if reuse else None)
+        return (s[0], i, base, base_values, source) if reuse else (s, i, clean, corrupted)
+
+    def program(size):
+        """The chunk's program for chunks of `size`: traced once a sweep (or kept), and with
+        it which sites a scan stacks (`loop_rows`)."""
+        if programs.size != size:
+            with loop_rows() as found:
+                args = args_of([(0, 0)], size)
+                programs.chunk = _PROGRAMS.traced(make(), *args, rewrite=sink if reuse else None)
+            programs.size, programs.rows = size, found
+        return programs.chunk
+
+    # The patches, a chunk at a time; with `reuse`, a chunk holds one site's patches (its run
+    # before the site is skipped), and where a scan stacks a site, one row's if that fits.
+    sharded = sharding is not None
+    size = size_of(plan, batch_size, reuse, sharded, None)
+    if reuse:
+        program(size)
+        size = size_of(plan, batch_size, reuse, sharded, programs.rows)
+    chunks = chunked(plan, size, reuse, programs.rows if reuse else None)
+    bar = progress_bar(
+        progress, "stx.sweep", "plot", iterable=chunks, desc="patching", unit="chunk"
+    )
+    out, lowered = {}, None
+    for n, chunk in enumerate(chunks if bar is None else bar):
+        args = args_of(chunk, size)
         if lowered is None:  # the chunk's program, lowered when asked (`memory_analysis()`)
-            lowered = functools.partial(programs.chunk.lower, *args)
-        chunk_values = programs.chunk(*args)
+            lowered = functools.partial(program(size).lower, *args)
+        chunk_values = program(size)(*args)
         if not reuse:
             chunk_values, metrics = chunk_values
-            if not results:
+            if not n:
                 checks.check_ran(metrics[2])
-        results.append((len(chunk), chunk_values))
-    values = np.concatenate([np.asarray(v)[:n] for n, v in results])
-    out, at = {}, 0
-    for key in plan.keys:
-        n = math.prod(sizes[key])
-        out[key] = values[at : at + n].reshape(sizes[key])
-        at += n
+        chunk_values = np.asarray(chunk_values)
+        for (s, i), value in zip(chunk, chunk_values):  # (where each patch's metric goes)
+            count = math.prod(sizes[plan.keys[s]])
+            out.setdefault(s, np.zeros(count, chunk_values.dtype))[i] = value
+    out = {key: out[s].reshape(sizes[key]) for s, key in enumerate(plan.keys)}
     return out, metrics[0], metrics[1], lowered
 
 
