@@ -640,6 +640,46 @@ def test_a_second_sweep_over_new_inputs_compiles_nothing():
     assert stats.temp_size_in_bytes >= 0 and stats.argument_size_in_bytes > 0
 
 
+def test_a_second_sweep_of_a_scan_over_layers_traces_no_program(monkeypatch):
+    """A scan's site swept row by row (its chunk size from the first sweep's trace): the next
+    sweep over new inputs traces no program again, and computes what the layers run by hand
+    with the patch in them compute."""
+    from statax._drivers.programs import Programs
+
+    ws = jnp.asarray(np.random.default_rng(8).normal(size=(3, 4, 4)) / 2, jnp.float32)
+
+    def model(x):
+        body = lambda h, w: (stx.save_inter(h + jnp.tanh(h @ w), name="h"), None)  # noqa: E731
+        return jnp.sum(jax.lax.scan(body, x, ws)[0], axis=-1)
+
+    rng = np.random.default_rng(9)
+    pairs = [[jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(2)]]
+    pairs.append([jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(2)])
+    axes = {"layer": 0, "feature": 2}
+    stx.sweep(model, lambda out: out, (pairs[0][0],), (pairs[0][1],), axes=axes, batch_size=6)
+    traced = []
+    original = Programs.traced
+    monkeypatch.setattr(
+        Programs, "traced", lambda self, *a, **k: traced.append(1) or original(self, *a, **k)
+    )
+    clean, corrupted = pairs[1]
+    second = stx.sweep(model, lambda out: out, (clean,), (corrupted,), axes=axes, batch_size=6)
+    assert traced == []
+
+    def run(x, patch=None):
+        hs = []
+        for i, w in enumerate(ws):
+            x = x + jnp.tanh(x @ w)
+            if patch is not None and patch[0] == i:
+                x = x.at[:, patch[1]].set(patch[2][i][:, patch[1]])
+            hs.append(x)
+        return hs, jnp.mean(jnp.sum(x, axis=-1))
+
+    source, _ = run(clean)
+    want = [[run(corrupted, (i, f, source))[1] for f in range(4)] for i in range(3)]
+    np.testing.assert_allclose(second["h_0"], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_repeated_attribution_sweep_starts_its_program_early_and_keeps_it_only_if_current(
     monkeypatch,
 ):

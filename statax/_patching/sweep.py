@@ -296,8 +296,8 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, r
     # The patches, a chunk at a time; with `reuse`, a chunk holds one site's patches (its run
     # before the site is skipped), and where a scan stacks a site, one row's if that fits.
     sharded = sharding is not None
-    size = size_of(plan, batch_size, reuse, sharded, None)
-    if reuse:
+    size = size_of(plan, batch_size, reuse, sharded, programs.rows)
+    if reuse and programs.rows is None:  # (known once the program is traced, or kept)
         program(size)
         size = size_of(plan, batch_size, reuse, sharded, programs.rows)
     chunks = chunked(plan, size, reuse, programs.rows if reuse else None)
