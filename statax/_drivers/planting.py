@@ -299,8 +299,7 @@ def feed(
                 # a scan, row by row (`_loop_skips`).
                 on = jnp.asarray(spec.on)
                 skip = in_loops[j] if j in in_loops else on | spec.after
-                skip = jnp.broadcast_to(skip, choice_aval.shape)
-                out.append(jnp.where(skip, SKIP, jnp.where(on, REPLACE, KEEP)).astype(np.int32))
+                out.append(_switched(spec, choice_aval, skip))
                 replacement = jax.tree.map(
                     lambda m, v, b: jnp.where(on & m, v, b), spec.mask, spec.value, spec.base
                 )
@@ -414,11 +413,12 @@ def _rows_reached(spec: Switch, axis: int, length: int) -> jax.Array:
     return rows
 
 
-def _switched(spec: Switch, choice_aval) -> jax.Array:
-    """The choice of each occurrence of a `Switch`: replace (where its masks say) where it is
-    on, keep elsewhere."""
+def _switched(spec: Switch, choice_aval, skip=False) -> jax.Array:
+    """The choice of each occurrence of a `Switch`: SKIP where `skip` is, else replace (where
+    its masks say) where it is on, keep elsewhere."""
     on = jnp.broadcast_to(jnp.asarray(spec.on), choice_aval.shape)
-    return jnp.where(on, REPLACE, KEEP).astype(np.int32)
+    skip = jnp.broadcast_to(skip, choice_aval.shape)
+    return jnp.where(skip, SKIP, jnp.where(on, REPLACE, KEEP)).astype(np.int32)
 
 
 def _leaves(tree) -> list:

@@ -24,9 +24,8 @@ def size_of(plan, batch_size: int, reuse: bool, sharded: bool, rows: dict | None
         return batch_size
     size = max(1, min(int(batch_size), max(counts) if reuse else sum(counts)))
     widths = {width for _, width in _row_axes(plan, rows or {}).values()}
-    if len(widths) == 1 and size / 2 <= min(widths) < size:
-        return widths.pop()
-    return size
+    width = widths.pop() if len(widths) == 1 else 0
+    return width if size / 2 <= width < size else size
 
 
 def chunked(plan, size: int, reuse: bool, rows: dict | None) -> list[list[tuple[int, int]]]:

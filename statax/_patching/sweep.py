@@ -314,10 +314,12 @@ def _exact(runs, plan, clean, corrupted, batch_size, sharding, progress, kept, r
             chunk_values, metrics = chunk_values
             if not n:
                 checks.check_ran(metrics[2])
-        chunk_values = np.asarray(chunk_values)
-        for (s, i), value in zip(chunk, chunk_values):  # (where each patch's metric goes)
-            count = math.prod(sizes[plan.keys[s]])
-            out.setdefault(s, np.zeros(count, chunk_values.dtype))[i] = value
+        chunk_values = np.asarray(chunk_values)[: len(chunk)]
+        sites, indices = np.array(chunk).T  # (where each patch's metric goes)
+        for s in np.unique(sites):
+            if s not in out:
+                out[s] = np.zeros(math.prod(sizes[plan.keys[s]]), chunk_values.dtype)
+            out[s][indices[sites == s]] = chunk_values[sites == s]
     out = {key: out[s].reshape(sizes[key]) for s, key in enumerate(plan.keys)}
     return out, metrics[0], metrics[1], lowered
 
